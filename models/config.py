@@ -1,0 +1,176 @@
+"""Cosmos 3 style model configs: one frozen dataclass, variants registered by name.
+
+Derived fields (`head_dim`, `mrope_sections`) are `None` in a spec and resolved in
+`__post_init__`, so an override of `d_model` re-derives them unless they are set too.
+Overrides always start from the registered spec, never from a resolved config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, get_type_hints
+
+from xlaopt.errors import UserError
+
+# Released reasoners split 64 rotary frequencies as T:H:W = 24:20:20 (Qwen3-VL).
+_RELEASED_MROPE = (24, 20, 20)
+
+
+class ConfigError(UserError):
+    """A config or override that cannot describe a model; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cosmos3Config:
+    name: str
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    head_dim: int | None = None
+    mlp_activation: str = "swiglu"  # "swiglu" (Nano, Super) or "relu2" (Edge)
+    mrope_sections: tuple[int, int, int] | None = None
+    rope_theta: float = 5e6
+    temporal_margin: int = 15000
+    norm_eps: float = 1e-6
+    # Inputs and outputs of the generator tower.
+    latent_channels: int = 48  # Wan2.2 VAE
+    patch_size: int = 2  # latent patches are patch_size x patch_size
+    num_action_domains: int = 32
+    action_dim: int = 64
+    sound_dim: int = 64
+    timestep_freq_dim: int = 256
+    # Per-modality loss weights (text next-token, video/action/sound velocity).
+    text_loss_weight: float = 1.0
+    video_loss_weight: float = 1.0
+    action_loss_weight: float = 10.0
+    sound_loss_weight: float = 2.0
+    remat: bool = False  # recompute each layer in the backward pass
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"{self.name}: {field}={getattr(self, field)} must be positive")
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ConfigError(
+                    f"{self.name}: d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                    f"set head_dim explicitly or pick num_heads dividing {self.d_model}")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.head_dim % 2:
+            raise ConfigError(f"{self.name}: head_dim={self.head_dim} must be even (rotary pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} "
+                f"(grouped-query attention); pick num_kv_heads dividing {self.num_heads}")
+        if self.mrope_sections is None:
+            object.__setattr__(self, "mrope_sections", derive_mrope_sections(self.head_dim))
+        sections = tuple(int(s) for s in self.mrope_sections)
+        object.__setattr__(self, "mrope_sections", sections)
+        if len(sections) != 3 or sum(sections) != self.head_dim // 2 or min(sections) < 0:
+            raise ConfigError(
+                f"{self.name}: mrope_sections={sections} must be three counts (T,H,W) summing to "
+                f"head_dim/2={self.head_dim // 2}; e.g. {derive_mrope_sections(self.head_dim)}")
+        if sections[0] < max(sections[1], sections[2]):
+            # Interleaving gives T every third frequency plus the tail; T must be the largest.
+            raise ConfigError(f"{self.name}: mrope_sections={sections}: T must be >= H and W")
+        if self.mlp_activation not in ("swiglu", "relu2"):
+            raise ConfigError(f"{self.name}: mlp_activation={self.mlp_activation!r}; use 'swiglu' or 'relu2'")
+
+    @property
+    def latent_patch_dim(self) -> int:
+        """Channels of one patchified video latent token (48 x 2 x 2 = 192 for Wan2.2)."""
+        return self.latent_channels * self.patch_size**2
+
+    @property
+    def generator_in_dim(self) -> int:
+        """Width of the shared raw-input array for generator tokens (widest modality)."""
+        return max(self.latent_patch_dim, self.action_dim, self.sound_dim)
+
+
+def derive_mrope_sections(head_dim: int) -> tuple[int, int, int]:
+    """Scale the released 24:20:20 split of 64 frequencies to head_dim/2 frequencies."""
+    half = head_dim // 2
+    hw = (half * _RELEASED_MROPE[1]) // sum(_RELEASED_MROPE)
+    return (half - 2 * hw, hw, hw)
+
+
+_REGISTRY: dict[str, dict[str, Any]] = {}
+
+
+def register(name: str, **spec: Any) -> None:
+    if name in _REGISTRY:
+        raise ConfigError(f"model {name!r} is registered twice")
+    Cosmos3Config(name=name, **spec)  # validate at registration time
+    _REGISTRY[name] = spec
+
+
+def registered_models() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_config(name: str, overrides: dict[str, Any] | None = None) -> Cosmos3Config:
+    """The registered config `name` with `overrides` (already typed) applied to its spec."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown model {name!r}; {hint}registered: {', '.join(_REGISTRY)}")
+    overrides = dict(overrides or {})
+    fields = {f.name for f in dataclasses.fields(Cosmos3Config)} - {"name"}
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config field {key!r}{hint}; fields: {', '.join(sorted(fields))}")
+    return Cosmos3Config(name=name, **{**_REGISTRY[name], **overrides})
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Parse `key=value` strings into typed values, using the dataclass field types."""
+    hints = get_type_hints(Cosmos3Config)
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set num_layers=2")
+        if key not in hints or key == "name":
+            close = difflib.get_close_matches(key, hints, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--set {item!r}: unknown config field {key!r}{hint}")
+        out[key] = _parse_value(key, raw.strip(), hints[key])
+    return out
+
+
+def _parse_value(key: str, raw: str, hint: Any) -> Any:
+    text = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+    try:
+        if "tuple" in text:
+            return tuple(int(v) for v in raw.replace("(", "").replace(")", "").split(",") if v.strip())
+        if "bool" in text:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "int" in text:
+            return None if raw.lower() == "none" and "None" in text else int(raw)
+        if "float" in text:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"--set {key}={raw!r}: not a valid {text}") from None
+
+
+# Tiny: trains on a 2-core CPU in seconds per step; every size divides 8 so any
+# 8-device mesh of data/fsdp/tensor fits.
+register("cosmos3-tiny", vocab_size=4096, d_model=256, num_layers=6, num_heads=8, num_kv_heads=4,
+         mlp_dim=1024, rope_theta=1e4, num_action_domains=4, action_dim=16, sound_dim=16,
+         latent_channels=8, timestep_freq_dim=64)
+# Released sizes (reasoner Qwen3-VL-8B / -32B); built abstractly only.
+register("cosmos3-nano", vocab_size=151936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+         mlp_dim=12288, head_dim=128, mrope_sections=_RELEASED_MROPE)
+register("cosmos3-super", vocab_size=151936, d_model=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+         mlp_dim=25600, head_dim=128, mrope_sections=_RELEASED_MROPE)

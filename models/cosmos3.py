@@ -1,0 +1,214 @@
+"""A Cosmos 3 style Mixture-of-Transformers: a reasoner tower and a generator tower
+sharing one joint attention per layer.
+
+Packed rows are laid out as [reasoner region (T tokens) | generator region (V tokens)]:
+samples keep their segment ids and positions, so which region a token sits in is the
+only thing that says which tower's weights it goes through. That keeps tower dispatch
+static (a slice, not a gather) and every token passes through exactly one tower, as
+the FLOP formula assumes. Reasoner queries attend over the reasoner region only (the
+two-way mask forbids them generator keys anyway), so one-way flow is structural.
+
+Batch contract (see `xlaopt.data` for the producer):
+  text_tokens_BT, text_segment_ids_BT, text_positions_3BT               reasoner region
+  gen_segment_ids_BV, gen_positions_3BV, gen_modality_BV,
+  gen_action_domain_BV, gen_noisy_BV, gen_sigma_BV, gen_x0_BVC           generator region
+Segment id 0 is padding. Modalities: 0 pad, 1 video, 2 action, 3 sound.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.layers import Mlp, RMSNorm, attention, constrain, embedding_lookup, param
+from xlaopt.models.masks import two_way_mask
+from xlaopt.models.mrope import apply_rope, rope_cos_sin
+
+PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
+MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
+
+
+class TowerBlock(nn.Module):
+    """One tower's weights for one layer: norms, GQA projections with QK-norm, MLP."""
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    mlp_activation: str
+    norm_eps: float
+    dtype: jnp.dtype
+
+    def setup(self):
+        D, H, N, K = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        self.attn_norm = RMSNorm(D, "embed", self.norm_eps)
+        self.q_proj_DHK = param(self, "q_proj_DHK", (D, H, K), ("embed", "heads", "head_dim"))
+        self.k_proj_DNK = param(self, "k_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
+        self.v_proj_DNK = param(self, "v_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
+        self.o_proj_HKD = param(self, "o_proj_HKD", (H, K, D), ("heads", "head_dim", "embed"), fan_in_axes=(0, 1))
+        self.q_norm = RMSNorm(K, "head_dim", self.norm_eps)
+        self.k_norm = RMSNorm(K, "head_dim", self.norm_eps)
+        self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
+        self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
+
+    def qkv(self, x_BLD, cos_BLK, sin_BLK):
+        h_BLD = self.attn_norm(x_BLD)
+        q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
+        k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
+        v_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype))
+        q_BLHK = apply_rope(self.q_norm(q_BLHK), cos_BLK, sin_BLK)
+        k_BLNK = apply_rope(self.k_norm(k_BLNK), cos_BLK, sin_BLK)
+        q_BLHK = constrain(q_BLHK, ("batch", "seq", "act_heads", "head_dim"))
+        k_BLNK = constrain(k_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
+        v_BLNK = constrain(v_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
+        return q_BLHK, k_BLNK, v_BLNK
+
+    def finish(self, x_BLD, attn_BLHK):
+        """Output projection and MLP, each with its residual."""
+        x_BLD = x_BLD + jnp.einsum("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype))
+        x_BLD = constrain(x_BLD, ("batch", "seq", "act_embed"))
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, ("batch", "seq", "act_embed"))
+
+
+class MoTLayer(nn.Module):
+    """One decoder layer: each token through its own tower, all tokens in one joint attention."""
+    tower: dict  # TowerBlock fields, identical for both towers
+
+    @nn.compact
+    def __call__(self, carry, mask_TT, mask_VS, rope_T, rope_V):
+        x_BTD, x_BVD = carry
+        reasoner = TowerBlock(name="reasoner", **self.tower)
+        generator = TowerBlock(name="generator", **self.tower)
+        q_BTHK, k_BTNK, v_BTNK = reasoner.qkv(x_BTD, *rope_T)
+        q_BVHK, k_BVNK, v_BVNK = generator.qkv(x_BVD, *rope_V)
+        k_BSNK = jnp.concatenate([k_BTNK, k_BVNK], axis=1)
+        v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
+        attn_BTHK = attention(q_BTHK, k_BTNK, v_BTNK, mask_TT)
+        attn_BVHK = attention(q_BVHK, k_BSNK, v_BSNK, mask_VS)
+        return (reasoner.finish(x_BTD, attn_BTHK), generator.finish(x_BVD, attn_BVHK)), None
+
+
+def timestep_features(sigma: jax.Array, dim: int) -> jax.Array:
+    """Sinusoidal features of sigma in [0, 1], cos first (diffusers flip_sin_to_cos=True)."""
+    half = dim // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    angles = sigma.astype(jnp.float32)[..., None] * freqs
+    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+class GeneratorIO(nn.Module):
+    """Raw generator inputs in and predictions out: video (vae2llm / llm2vae), per-domain
+    actions, sound; modality embeddings; the timestep embedding on noisy tokens only."""
+    config: Cosmos3Config
+    dtype: jnp.dtype
+
+    def setup(self):
+        c = self.config
+        D, P, A, M, Z, Fq = c.d_model, c.latent_patch_dim, c.action_dim, c.num_action_domains, c.sound_dim, c.timestep_freq_dim
+        zeros = nn.initializers.zeros
+        self.vae2llm_PD = param(self, "vae2llm_PD", (P, D), ("latent", "embed"))
+        self.vae2llm_bias_D = param(self, "vae2llm_bias_D", (D,), ("embed",), zeros)
+        self.llm2vae_DP = param(self, "llm2vae_DP", (D, P), ("embed", "latent"))
+        self.llm2vae_bias_P = param(self, "llm2vae_bias_P", (P,), ("latent",), zeros)
+        self.action_in_MAD = param(self, "action_in_MAD", (M, A, D), ("domains", "action", "embed"),
+                                   fan_in_axes=(1,), batch_axes=(0,))
+        self.action_in_bias_MD = param(self, "action_in_bias_MD", (M, D), ("domains", "embed"), zeros)
+        self.action_out_MDA = param(self, "action_out_MDA", (M, D, A), ("domains", "embed", "action"),
+                                    fan_in_axes=(1,), batch_axes=(0,))
+        self.action_out_bias_MA = param(self, "action_out_bias_MA", (M, A), ("domains", "action"), zeros)
+        self.sound_in_ZD = param(self, "sound_in_ZD", (Z, D), ("sound", "embed"))
+        self.sound_in_bias_D = param(self, "sound_in_bias_D", (D,), ("embed",), zeros)
+        self.sound_out_DZ = param(self, "sound_out_DZ", (D, Z), ("embed", "sound"))
+        self.sound_out_bias_Z = param(self, "sound_out_bias_Z", (Z,), ("sound",), zeros)
+        # Index 0 (video) stays unused: video tokens carry no modality embedding.
+        self.modality_embed_3D = param(self, "modality_embed_3D", (3, D), ("modality", "embed"), zeros)
+        self.time_in_FD = param(self, "time_in_FD", (Fq, D), ("time_freq", "embed"))
+        self.time_in_bias_D = param(self, "time_in_bias_D", (D,), ("embed",), zeros)
+        self.time_out_DD = param(self, "time_out_DD", (D, D), ("time_hidden", "embed"))
+        self.time_out_bias_D = param(self, "time_out_bias_D", (D,), ("embed",), zeros)
+
+    def embed(self, x_BVC, modality_BV, domain_BV, noisy_BV, sigma_BV):
+        c, dt = self.config, self.dtype
+        P, A, M, Z = c.latent_patch_dim, c.action_dim, c.num_action_domains, c.sound_dim
+        x_BVC = x_BVC.astype(dt)
+        video_BVD = jnp.einsum("bvp,pd->bvd", x_BVC[..., :P], self.vae2llm_PD.astype(dt)) + self.vae2llm_bias_D.astype(dt)
+        onehot_BVM = jax.nn.one_hot(domain_BV, M, dtype=dt)
+        action_BVD = (jnp.einsum("bva,bvm,mad->bvd", x_BVC[..., :A], onehot_BVM, self.action_in_MAD.astype(dt))
+                      + jnp.einsum("bvm,md->bvd", onehot_BVM, self.action_in_bias_MD.astype(dt)))
+        sound_BVD = jnp.einsum("bvz,zd->bvd", x_BVC[..., :Z], self.sound_in_ZD.astype(dt)) + self.sound_in_bias_D.astype(dt)
+        m = modality_BV[..., None]
+        h_BVD = jnp.where(m == VIDEO, video_BVD, jnp.where(m == ACTION, action_BVD,
+                                                            jnp.where(m == SOUND, sound_BVD, 0)))
+        h_BVD = h_BVD + embedding_lookup(self.modality_embed_3D, jnp.clip(modality_BV - 1, 0, 2), "modality").astype(dt)
+        # Timestep embedding (fp32), added to noisy tokens only; clean conditioning gets nothing.
+        t_BVD = nn.silu(timestep_features(sigma_BV, c.timestep_freq_dim) @ self.time_in_FD + self.time_in_bias_D)
+        t_BVD = constrain(t_BVD, ("batch", "seq", "act_embed"))
+        t_BVD = constrain(t_BVD @ self.time_out_DD + self.time_out_bias_D, ("batch", "seq", "act_embed"))
+        h_BVD = h_BVD + constrain(jnp.where(noisy_BV[..., None], t_BVD, 0), ("batch", "seq", "act_embed")).astype(dt)
+        return constrain(h_BVD, ("batch", "seq", "act_embed"))
+
+    def predict(self, h_BVD, modality_BV, domain_BV):
+        """Per-modality predictions in raw input space, zero-padded to C channels, fp32."""
+        c = self.config
+        P, A, M, Z, C = c.latent_patch_dim, c.action_dim, c.num_action_domains, c.sound_dim, c.generator_in_dim
+        h = h_BVD.astype(jnp.float32)
+        video_BVP = h @ self.llm2vae_DP + self.llm2vae_bias_P
+        onehot_BVM = jax.nn.one_hot(domain_BV, M, dtype=jnp.float32)
+        action_BVA = (jnp.einsum("bvd,bvm,mda->bva", h, onehot_BVM, self.action_out_MDA)
+                      + onehot_BVM @ self.action_out_bias_MA)
+        sound_BVZ = h @ self.sound_out_DZ + self.sound_out_bias_Z
+        pad = lambda y: jnp.pad(y, ((0, 0), (0, 0), (0, C - y.shape[-1])))
+        m = modality_BV[..., None]
+        return jnp.where(m == VIDEO, pad(video_BVP), jnp.where(m == ACTION, pad(action_BVA),
+                                                              jnp.where(m == SOUND, pad(sound_BVZ), 0.0)))
+
+
+class Cosmos3(nn.Module):
+    config: Cosmos3Config
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, batch: dict, gen_inputs_BVC: jax.Array):
+        """Returns (text logits [B,T,E] fp32, generator predictions [B,V,C] fp32).
+
+        `gen_inputs_BVC` is what the generator reads: noised latents on noisy tokens,
+        clean ones on conditioning tokens.
+        """
+        c, dt = self.config, self.dtype
+        D, E = c.d_model, c.vocab_size
+        text_seg_BT, gen_seg_BV = batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"]
+        B, T = text_seg_BT.shape
+        V = gen_seg_BV.shape[1]
+
+        embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
+        x_BTD = constrain(embedding_lookup(embed_ED, batch["text_tokens_BT"], "vocab").astype(dt),
+                          ("batch", "seq", "act_embed"))
+        io = GeneratorIO(c, dt, name="generator_io")
+        x_BVD = io.embed(gen_inputs_BVC, batch["gen_modality_BV"], batch["gen_action_domain_BV"],
+                         batch["gen_noisy_BV"], batch["gen_sigma_BV"])
+
+        segment_BS = jnp.concatenate([text_seg_BT, gen_seg_BV], axis=1)
+        is_gen_BS = jnp.concatenate([jnp.zeros((B, T), bool), jnp.ones((B, V), bool)], axis=1)
+        mask_BSS = two_way_mask(segment_BS, is_gen_BS)
+        rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta)
+
+        tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt)
+        layer_cls = nn.remat(MoTLayer, prevent_cse=False) if c.remat else MoTLayer
+        layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast,) * 4, length=c.num_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(tower=tower, name="layers")
+        (x_BTD, x_BVD), _ = layers((x_BTD, x_BVD), mask_BSS[:, :T, :T], mask_BSS[:, T:, :],
+                                   rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
+
+        h_BTD = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD)
+        head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
+        logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
+        logits_BTE = constrain(logits_BTE, ("batch", "seq", "act_vocab"))
+        h_BVD = RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD)
+        pred_BVC = io.predict(h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"])
+        return logits_BTE, pred_BVC

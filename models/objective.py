@@ -1,0 +1,48 @@
+"""The training objective: rectified-flow velocity MSE on noisy generator tokens plus
+next-token cross-entropy on reasoner text, combined as a weighted sum of per-modality means
+(as NVIDIA's trainer does; each mean is over that modality's noisy elements only)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
+
+
+def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x_t = sigma*eps + (1-sigma)*x0 on noisy tokens (clean tokens pass x0), and v = eps - x0."""
+    x0_BVC = batch["gen_x0_BVC"]
+    sigma_BV1 = batch["gen_sigma_BV"][..., None]
+    x_t_BVC = jnp.where(batch["gen_noisy_BV"][..., None], sigma_BV1 * noise_BVC + (1 - sigma_BV1) * x0_BVC, x0_BVC)
+    return x_t_BVC, noise_BVC - x0_BVC
+
+
+def _masked_mean(values, mask):
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def loss_fn(model: Cosmos3, params, batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, dict]:
+    c: Cosmos3Config = model.config
+    x_t_BVC, target_BVC = noised_inputs(batch, noise_BVC)
+    logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
+
+    tokens_BT, seg_BT = batch["text_tokens_BT"], batch["text_segment_ids_BT"]
+    # Next-token targets exist where the following token belongs to the same (real) sample.
+    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
+    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
+    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
+    losses = {"text": _masked_mean(nll_BT, has_next_BT)}
+
+    sq_err_BVC = jnp.square(pred_BVC - target_BVC)
+    channel_dims = {VIDEO: c.latent_patch_dim, ACTION: c.action_dim, SOUND: c.sound_dim}
+    C = c.generator_in_dim
+    for modality, dim in channel_dims.items():
+        token_mask_BV1 = (batch["gen_noisy_BV"] & (batch["gen_modality_BV"] == modality))[..., None]
+        mask_BVC = token_mask_BV1 & (jnp.arange(C) < dim)
+        losses[MODALITY_NAMES[modality]] = _masked_mean(sq_err_BVC, mask_BVC)
+
+    weights = {"text": c.text_loss_weight, "video": c.video_loss_weight,
+               "action": c.action_loss_weight, "sound": c.sound_loss_weight}
+    total = sum(weights[k] * v for k, v in losses.items())
+    return total, {f"loss_{k}": v for k, v in losses.items()}

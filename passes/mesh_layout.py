@@ -1,0 +1,68 @@
+"""mesh-layout: apply the logical-axis rule table to the mesh.
+
+Resolves every parameter, optimizer-state and batch array's logical axes into mesh
+PartitionSpecs (first matching rule wins, size-1 mesh axes dropped), checks that each
+sharded dimension divides, and turns on activation constraints from the same table.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec
+
+from xlaopt.data.batch import batch_spec
+from xlaopt.pipeline import PassResult
+from xlaopt.program import ProgramShardings, TrainProgram, TrainState
+from xlaopt.sharding import RuleUse, logical_to_spec
+from xlaopt.step import abstract_params_with_axes, abstract_state, make_optimizer, traced_activation_axes
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+    name: str = "mesh-layout"
+    summary: str = "apply the logical-axis rule table to the mesh: shard params, optimizer state, batch, activations"
+
+    def run(self, program: TrainProgram) -> PassResult:
+        use = RuleUse()
+        params, logical = abstract_params_with_axes(program)
+        flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
+        flat_logical = treedef.flatten_up_to(logical)
+        param_specs = treedef.unflatten([
+            logical_to_spec(tuple(axes), leaf.shape, program.rules, program.mesh, f"param {_path_name(path)}", use)
+            for (path, leaf), axes in zip(flat_params, flat_logical)])
+
+        state = abstract_state(program)
+        opt_specs = optax.tree_map_params(make_optimizer(program.settings), lambda _, spec: spec, state.opt_state,
+                                          param_specs, transform_non_params=lambda _: PartitionSpec(),
+                                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+        batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)
+                       for name, (shape, _, axes) in batch_spec(program.model, program.settings.batch).items()}
+        for shape, axes in traced_activation_axes(program):
+            logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
+        shardings = ProgramShardings(TrainState(PartitionSpec(), param_specs, opt_specs), batch_specs)
+        new = program.replace(shardings=shardings)
+        return PassResult(new, new != program, self._report(program, params, param_specs, use))
+
+    @staticmethod
+    def _report(program, params, param_specs, use: RuleUse) -> dict:
+        leaves = jax.tree.leaves(params)
+        specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        total = per_device = 0
+        sharded = 0
+        for leaf, spec in zip(leaves, specs):
+            nbytes = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+            ways = int(np.prod([program.mesh.size(a) for s in spec if s
+                                for a in (s if isinstance(s, tuple) else (s,))]))
+            total += nbytes
+            per_device += nbytes // ways
+            sharded += ways > 1
+        return {"mesh": program.mesh.as_dict(), "params": len(leaves), "params_sharded": sharded,
+                "param_bytes": total, "param_bytes_per_device": per_device,
+                "unused_rules": use.unused(program.rules)}

@@ -1,0 +1,36 @@
+"""Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.devices()  # start the backend now so no later call can change the device count
+
+from xlaopt.data.batch import BatchShape  # noqa: E402
+from xlaopt.data.synthetic import SyntheticData  # noqa: E402
+from xlaopt.models.config import get_config  # noqa: E402
+
+# Small enough to compile in seconds; the layout and every size still divide 8.
+SMALL = dict(num_layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return get_config("cosmos3-tiny", SMALL)
+
+
+@pytest.fixture(scope="session")
+def batch_shape():
+    return BatchShape(batch_size=8, text_len=48, gen_len=96)
+
+
+@pytest.fixture(scope="session")
+def synthetic_batch(tiny_config, batch_shape):
+    return SyntheticData(tiny_config, batch_shape, seed=3).batch(0)
+
+
+def needs_devices(n: int):
+    return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")

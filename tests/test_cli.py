@@ -1,0 +1,63 @@
+"""The command line: the main training job, listings, and one-line errors for bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xlaopt.cli import main
+
+from conftest import needs_devices
+
+
+@needs_devices(8)
+def test_train_tiny_on_data2_fsdp2_tensor2_lowers_loss(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    rc = main(["train", "--model", "cosmos3-tiny", "--mesh", "data=2,fsdp=2,tensor=2", "--steps", "40",
+               "--json", str(out), "--no-progress"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert {"model", "param_count", "mesh", "steps", "tokens_per_s", "data_wait_fraction",
+            "model_flops_per_step", "mfu"} <= set(result)
+    assert [s["step"] for s in result["steps"]] == list(range(40))
+    assert all({"step", "loss", "step_time_s", "data_wait_s"} <= set(s) for s in result["steps"])
+    assert result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1}
+    # The loss falls clearly: the last five steps average under two thirds of the first five.
+    assert result["loss_last5_mean"] < (2 / 3) * result["loss_first5_mean"], result["loss_last5_mean"]
+    assert 0 < result["mfu"] < 1 and result["model_flops_per_step"] > 0
+    assert "MFU" in capsys.readouterr().out
+
+
+def test_models_lists_registered_sizes(tmp_path, capsys):
+    out = tmp_path / "models.json"
+    assert main(["models", "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["models"]}
+    assert set(rows) >= {"cosmos3-tiny", "cosmos3-nano", "cosmos3-super"}
+    assert "15.17B" in capsys.readouterr().out
+
+
+def test_passes_lists_the_pipeline(capsys):
+    assert main(["passes"]) == 0
+    assert "mesh-layout" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--model", "cosmos3-tny"], "unknown model 'cosmos3-tny'; did you mean 'cosmos3-tiny'?"),
+    (["train", "--model", "cosmos3-tiny", "--set", "d_modle=8"], "unknown config field 'd_modle'"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "pipe=2"], "unknown axis 'pipe'"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "tensor=8"], "tensor=8 does not divide dimension 2 (kv_heads, size 4)"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "data=3"], "data=3 does not divide dimension 0 (batch, size 8)"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "data=16"], "needs 16 devices but cpu has 8"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "data=1024"], "at most 512 simulated CPU devices"),
+    (["verify", "--model", "cosmos3-tiny", "--disable", "nope"], "unknown pass 'nope'"),
+])
+def test_bad_input_is_one_clear_line(args, message, capsys):
+    assert main(args + ["--steps", "1"] if args[0] == "train" else args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_console_script_runs_in_a_fresh_process():
+    done = subprocess.run([sys.executable, "-m", "xlaopt.cli", "train", "--model", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("xlaopt train: error: unknown model 'nope'")

@@ -1,0 +1,69 @@
+"""Exact PartitionSpecs from the rule table, and clear errors for meshes that do not fit."""
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from xlaopt.mesh import MeshError, MeshSpec
+from xlaopt.passes.mesh_layout import MeshLayout
+from xlaopt.program import TrainProgram
+from xlaopt.sharding import DEFAULT_RULES, RuleUse, logical_to_spec
+
+
+def test_mesh_spec_parsing():
+    m = MeshSpec.parse("data=2,fsdp=2,tensor=2")
+    assert m.as_dict() == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1} and m.num_devices == 8
+    assert str(MeshSpec.parse("")) == "single-device"
+    for bad, msg in [("foo=2", "unknown axis 'foo'"), ("data=0", "positive integer"), ("data", "axis=size"),
+                     ("data=2,data=2", "given twice")]:
+        with pytest.raises(MeshError, match=msg):
+            MeshSpec.parse(bad)
+
+
+def test_first_matching_rule_wins_and_axes_are_not_reused():
+    mesh = MeshSpec.parse("data=2,fsdp=2,tensor=2")
+    rules = (("batch", ("data", "fsdp")), ("batch", ("data",)), ("embed", ("fsdp",)), ("embed", ("tensor",)))
+    # batch takes data and fsdp, so embed falls through to its second rule.
+    assert logical_to_spec(("batch", "embed"), (8, 4), rules, mesh, "x") == P(("data", "fsdp"), "tensor")
+    # embed takes fsdp first; a rule needing a taken axis is skipped whole, so batch gets data.
+    assert logical_to_spec(("embed", "batch"), (4, 8), rules, mesh, "x") == P("fsdp", "data")
+
+
+def test_size_one_axes_are_dropped():
+    mesh = MeshSpec.parse("fsdp=8")
+    assert logical_to_spec(("batch", "seq", "act_embed"), (8, 4, 4), DEFAULT_RULES, mesh, "x") == P("fsdp")
+
+
+def test_unused_rules_are_reported():
+    use = RuleUse()
+    rules = DEFAULT_RULES + (("experts", ("tensor",)),)
+    logical_to_spec(("batch",), (8,), rules, MeshSpec.parse("data=8"), "x", use)
+    assert "experts -> tensor" in use.unused(rules)
+
+
+def test_layout_specs_on_mesh_data2_fsdp2_tensor2(tiny_config):
+    program = TrainProgram(tiny_config, MeshSpec.parse("data=2,fsdp=2,tensor=2"))
+    result = MeshLayout().run(program)
+    params = result.program.shardings.state.params
+    assert params["embed_ED"] == P("tensor", "fsdp")
+    assert params["lm_head_DE"] == P("fsdp", "tensor")
+    layer = params["layers"]["generator"]
+    assert layer["q_proj_DHK"] == P(None, "fsdp", "tensor")
+    assert layer["o_proj_HKD"] == P(None, "tensor", None, "fsdp")
+    assert layer["mlp"]["down_FD"] == P(None, "tensor", "fsdp")
+    assert layer["q_norm"]["scale"] == P()
+    assert result.program.shardings.batch["gen_x0_BVC"] == P(("data", "fsdp"))
+    assert result.program.shardings.batch["text_positions_3BT"] == P(None, ("data", "fsdp"))
+    # Adam moments follow their parameters; the step counter is replicated.
+    adam = result.program.shardings.state.opt_state[1][0]
+    assert adam.mu["embed_ED"] == P("tensor", "fsdp") and adam.count == P()
+    assert result.report["unused_rules"] == []
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("tensor=8", r"tensor=8 does not divide dimension 2 \(kv_heads, size 4\)"),
+    ("data=16", r"does not divide dimension 0 \(batch, size 8\) of batch array"),
+    ("context=5", r"context=5 does not divide dimension 1 \(seq"),
+])
+def test_meshes_that_do_not_divide_are_rejected(tiny_config, mesh, message):
+    with pytest.raises(MeshError, match=message):
+        MeshLayout().run(TrainProgram(tiny_config, MeshSpec.parse(mesh)))

@@ -1,0 +1,157 @@
+"""The `xlaopt` command line.
+
+JAX is imported only after the mesh is parsed, so the simulated CPU device count can be
+set before JAX starts. Bad input ends in one line naming the problem and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from xlaopt.errors import UserError
+from xlaopt.mesh import MeshSpec, make_mesh, request_cpu_devices
+from xlaopt.models.config import get_config, parse_overrides, registered_models
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="registered model name (see `xlaopt models`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set num_layers=2 (repeatable)")
+
+
+def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
+    _model_args(p)
+    p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
+    p.add_argument("--dtype", default=default_dtype, help=f"compute dtype (default {default_dtype})")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--text-len", type=int, default=48, help="reasoner tokens per packed row")
+    p.add_argument("--gen-len", type=int, default=96, help="generator tokens per packed row")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", default=None, help="run only these passes (comma-separated, pipeline order)")
+    p.add_argument("--disable", default="", help="skip these passes (comma-separated)")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR",
+                   help="write the lowered and compiled HLO before the pipeline and after each pass")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xlaopt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a model on synthetic data on a (simulated) device mesh")
+    _program_args(p, "bfloat16")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
+    _program_args(p, "float32")
+    p = sub.add_parser("models", help="registered models with parameter counts")
+    p.add_argument("--json", default=None, metavar="OUT")
+    sub.add_parser("passes", help="the pass pipeline, in order")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except UserError as e:
+        print(f"xlaopt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _program(args, mesh: MeshSpec):
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    config = get_config(args.model, parse_overrides(args.set))
+    batch = BatchShape(args.batch_size, args.text_len, args.gen_len)
+    return TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+
+
+def _apply_pipeline(args, program, dump_dir):
+    from xlaopt.pipeline import pipeline, run_pipeline, select_passes
+
+    names = lambda text: [n.strip() for n in text.split(",") if n.strip()]
+    passes = select_passes(pipeline(), names(args.passes) if args.passes is not None else None, names(args.disable))
+    program, records = run_pipeline(program, passes, dump_dir)
+    return program, [{"name": r.name, "changed": r.changed, "report": r.report, "dumped": list(r.dumped)}
+                     for r in records]
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def cmd_train(args) -> int:
+    mesh = MeshSpec.parse(args.mesh)
+    get_config(args.model, parse_overrides(args.set))  # fail fast, before JAX starts
+    if args.steps < 1:
+        raise UserError(f"--steps {args.steps}: need at least 1 step")
+    request_cpu_devices(mesh.num_devices)
+    make_mesh(mesh)  # enough devices? say so before any compilation
+    from xlaopt.train import format_summary, train
+
+    program, passes = _apply_pipeline(args, _program(args, mesh), args.dump_hlo)
+    result = train(program, args.steps, progress=not args.no_progress)
+    result["passes"] = passes
+    print(format_summary(result))
+    _write_json(args.json, result)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    mesh = MeshSpec.parse(args.mesh)
+    get_config(args.model, parse_overrides(args.set))
+    request_cpu_devices(mesh.num_devices)
+    make_mesh(mesh)
+    from xlaopt.verify import compare, one_step_grads
+
+    sharded, passes = _apply_pipeline(args, _program(args, mesh), args.dump_hlo)
+    single, _ = _apply_pipeline(args, _program(args, MeshSpec()), None)
+    result = compare(one_step_grads(sharded), one_step_grads(single), args.dtype)
+    result.update(model=args.model, mesh=mesh.as_dict(), dtype=args.dtype, passes=passes)
+    print(f"verify {args.model} on {mesh} ({args.dtype}): loss diff {result['max_abs_diff_loss']:.3g} "
+          f"(tol {result['loss_tolerance']:.3g}), max grad rel diff {result['max_rel_diff_grads']:.3g} "
+          f"at {result['worst_grad']} (tol {result['grad_tolerance']:.3g}): {'ok' if result['ok'] else 'MISMATCH'}")
+    _write_json(args.json, result)
+    return 0 if result["ok"] else 1
+
+
+def cmd_models(args) -> int:
+    from xlaopt.program import TrainProgram
+    from xlaopt.step import param_count
+
+    rows = []
+    for name in registered_models():
+        c = get_config(name)
+        rows.append({"name": name, "param_count": param_count(TrainProgram(c)), "d_model": c.d_model,
+                     "num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                     "head_dim": c.head_dim, "mlp_dim": c.mlp_dim, "vocab_size": c.vocab_size})
+    print(f"{'model':<16}{'params':>10}  {'d_model':>7} {'layers':>6} {'heads':>5} {'kv':>3} {'mlp':>6}")
+    for r in rows:
+        print(f"{r['name']:<16}{_human(r['param_count']):>10}  {r['d_model']:>7} {r['num_layers']:>6} "
+              f"{r['num_heads']:>5} {r['num_kv_heads']:>3} {r['mlp_dim']:>6}")
+    print("params: both towers, embedding, LM head and generator I/O, counted from the abstract parameter tree; "
+          "the reasoner's ViT image encoder is not part of the model and not counted.")
+    _write_json(args.json, {"models": rows})
+    return 0
+
+
+def cmd_passes(args) -> int:
+    from xlaopt.pipeline import pipeline
+
+    for i, p in enumerate(pipeline(), start=1):
+        print(f"{i:2d}. {p.name:<24} {p.summary}")
+    return 0
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "models": cmd_models, "passes": cmd_passes}
+
+if __name__ == "__main__":
+    sys.exit(main())

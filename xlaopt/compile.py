@@ -1,0 +1,112 @@
+"""Turn a TrainProgram into jitted, sharded functions on a device mesh."""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xlaopt.data.batch import batch_spec
+from xlaopt.mesh import make_mesh
+from xlaopt.models.layers import activation_constraint
+from xlaopt.program import TrainProgram
+from xlaopt.sharding import logical_to_spec
+from xlaopt.step import abstract_state, build_grad_fn, build_init, build_train_step
+
+
+class CompiledProgram:
+    """A program's jitted functions on a mesh, each lowered and compiled on first use
+    (with the program's activation constraints, compiler options and HLO transforms)."""
+
+    def __init__(self, program: TrainProgram, mesh: jax.sharding.Mesh | None = None):
+        self.program = program
+        self.mesh = mesh = mesh or make_mesh(program.mesh)
+        named = lambda spec: NamedSharding(mesh, spec)
+        abstract = abstract_state(program)
+        spec = batch_spec(program.model, program.settings.batch)
+        if program.shardings is None:  # no layout applied: everything replicated
+            state_specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
+            batch_specs = {k: PartitionSpec() for k in spec}
+        else:
+            state_specs, batch_specs = program.shardings.state, program.shardings.batch
+        self.state_shardings = jax.tree.map(named, state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self.batch_shardings = {k: named(v) for k, v in batch_specs.items()}
+        key_sh = named(PartitionSpec())
+        self._abstract_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                            abstract, self.state_shardings)
+        self._abstract_batch = {k: jax.ShapeDtypeStruct(s, d, sharding=self.batch_shardings[k])
+                                for k, (s, d, _) in spec.items()}
+        self._abstract_key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=key_sh)
+        self._train_jit = jax.jit(build_train_step(program), donate_argnums=0,
+                                  in_shardings=(self.state_shardings, self.batch_shardings, key_sh),
+                                  out_shardings=(self.state_shardings, None))
+        self._grads_jit = jax.jit(build_grad_fn(program),
+                                  in_shardings=(self.state_shardings.params, self.batch_shardings, key_sh),
+                                  out_shardings=(None, None, self.state_shardings.params))
+        self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
+
+    def put_batch(self, batch: dict):
+        return jax.device_put(batch, self.batch_shardings)
+
+    @functools.cached_property
+    def lowered(self):
+        """The train step lowered to StableHLO."""
+        with _tracing_context(self.program, self.mesh):
+            return self._train_jit.lower(self._abstract_state, self._abstract_batch, self._abstract_key)
+
+    @functools.cached_property
+    def train_step(self):
+        """Compiled (state, batch, key) -> (state, metrics); the input state is donated.
+        `.as_text()` on it is the scheduled, optimised HLO."""
+        return self._compile(self.lowered)
+
+    @functools.cached_property
+    def grads(self):
+        """Compiled (params, batch, key) -> (loss, metrics, grads)."""
+        with _tracing_context(self.program, self.mesh):
+            lowered = self._grads_jit.lower(self._abstract_state.params, self._abstract_batch, self._abstract_key)
+        return self._compile(lowered)
+
+    @functools.cached_property
+    def init(self):
+        """Compiled key -> TrainState, created directly in its shardings."""
+        return self._compile(self._init_jit.lower(self._abstract_key))
+
+    def _compile(self, lowered):
+        with _hlo_transforms(self.program):
+            return lowered.compile(dict(self.program.compiler_options))
+
+
+def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:
+    return CompiledProgram(program, mesh)
+
+
+@contextlib.contextmanager
+def _tracing_context(program: TrainProgram, mesh):
+    if program.shardings is None or not program.shardings.constrain_activations:
+        yield
+        return
+
+    def constrain(x, axes):
+        spec = logical_to_spec(axes, x.shape, program.rules, program.mesh, f"activation {axes}")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    with activation_constraint(constrain):
+        yield
+
+
+@contextlib.contextmanager
+def _hlo_transforms(program: TrainProgram):
+    from jax.extend import xla as jex_xla
+
+    registered = []
+    try:
+        for t in program.hlo_transforms:
+            stage = jex_xla.PipelineStage.POST_SCHEDULER if t.post_scheduler else jex_xla.PipelineStage.PRE_SCHEDULER
+            jex_xla.register_hlo_module_transformation(t.callback, name=t.name, stage=stage)
+            registered.append((t.name, stage))
+        yield
+    finally:
+        for name, stage in registered:
+            jex_xla.clear_hlo_module_transformation(name, stage=stage)

@@ -1,0 +1,1 @@
+"""Model inputs: the packed-batch contract and the producers that fill it."""

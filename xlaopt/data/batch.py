@@ -1,0 +1,48 @@
+"""The packed batch the Cosmos 3 model consumes: names, shapes, dtypes, logical axes.
+
+A row is [reasoner region of `text_len` tokens | generator region of `gen_len` tokens]
+(see `xlaopt.models.cosmos3`). Producers (synthetic now, the tensorstore loader later)
+emit exactly these arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from xlaopt.errors import UserError
+from xlaopt.models.config import Cosmos3Config
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    batch_size: int = 8
+    text_len: int = 48
+    gen_len: int = 96
+
+    def __post_init__(self):
+        if min(self.batch_size, self.text_len, self.gen_len) < 1:
+            raise UserError(f"batch shape {self} must be positive in every field")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * (self.text_len + self.gen_len)
+
+
+def batch_spec(config: Cosmos3Config, shape: BatchShape) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
+    """name -> (shape, dtype, logical axes) for every array in a packed batch."""
+    B, T, V, C = shape.batch_size, shape.text_len, shape.gen_len, config.generator_in_dim
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    bt, bv = ("batch", "seq"), ("batch", "seq")
+    return {
+        "text_tokens_BT": ((B, T), i32, bt),
+        "text_segment_ids_BT": ((B, T), i32, bt),
+        "text_positions_3BT": ((3, B, T), i32, (None,) + bt),
+        "gen_segment_ids_BV": ((B, V), i32, bv),
+        "gen_positions_3BV": ((3, B, V), i32, (None,) + bv),
+        "gen_modality_BV": ((B, V), i32, bv),
+        "gen_action_domain_BV": ((B, V), i32, bv),
+        "gen_noisy_BV": ((B, V), np.dtype(bool), bv),
+        "gen_sigma_BV": ((B, V), f32, bv),
+        "gen_x0_BVC": ((B, V, C), f32, bv + (None,)),
+    }

@@ -1,0 +1,97 @@
+"""Device meshes from `data=2,fsdp=2,tensor=2` specs, and simulated CPU device counts.
+
+Every mesh carries all of MESH_AXES (size 1 where the spec omits an axis), so rule
+tables and passes can name any axis without checking whether it exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from xlaopt.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "tensor", "context")
+# Beyond this many simulated CPU devices compile time and host memory stop being practical;
+# larger meshes are analysed abstractly, not run.
+MAX_SIMULATED_DEVICES = 512
+
+
+class MeshError(UserError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Mesh axis sizes in the canonical order of MESH_AXES."""
+    sizes: tuple[int, ...] = (1,) * len(MESH_AXES)
+
+    def __post_init__(self):
+        if len(self.sizes) != len(MESH_AXES) or any(s < 1 for s in self.sizes):
+            raise MeshError(f"mesh sizes {self.sizes} must be {len(MESH_AXES)} positive ints for {MESH_AXES}")
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshSpec":
+        sizes = dict.fromkeys(MESH_AXES, 1)
+        seen = set()
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            name, sep, value = part.partition("=")
+            name = name.strip()
+            if not sep:
+                raise MeshError(f"mesh {text!r}: {part!r} is not axis=size; e.g. --mesh data=2,fsdp=2,tensor=2")
+            if name not in sizes:
+                raise MeshError(f"mesh {text!r}: unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
+            if name in seen:
+                raise MeshError(f"mesh {text!r}: axis {name!r} given twice")
+            try:
+                size = int(value)
+            except ValueError:
+                size = 0
+            if size < 1:
+                raise MeshError(f"mesh {text!r}: size of {name!r} must be a positive integer, got {value!r}")
+            sizes[name] = size
+            seen.add(name)
+        return cls(tuple(sizes[a] for a in MESH_AXES))
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, axis: str) -> int:
+        return self.sizes[MESH_AXES.index(axis)]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(MESH_AXES, self.sizes))
+
+    def __str__(self) -> str:
+        parts = [f"{a}={s}" for a, s in self.as_dict().items() if s > 1]
+        return ",".join(parts) or "single-device"
+
+
+def request_cpu_devices(count: int) -> None:
+    """Ask for `count` simulated CPU devices; must run before JAX initialises its backends.
+
+    If the backends are already up (a test harness that set XLA_FLAGS, a notebook), the
+    existing devices are used and `make_mesh` reports a shortfall clearly.
+    """
+    if count > MAX_SIMULATED_DEVICES:
+        raise MeshError(f"mesh needs {count} devices; at most {MAX_SIMULATED_DEVICES} simulated CPU devices "
+                        f"are allowed. Use a smaller mesh (analysis of larger meshes needs no devices).")
+    import jax
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # backends already initialised; make_mesh checks the count
+
+
+def make_mesh(spec: MeshSpec):
+    import jax
+    from jax.sharding import AxisType
+
+    devices = jax.devices()
+    if spec.num_devices > len(devices):
+        raise MeshError(f"mesh {spec} needs {spec.num_devices} devices but {jax.default_backend()} has "
+                        f"{len(devices)}; use a mesh of at most {len(devices)} devices")
+    return jax.make_mesh(spec.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices[: spec.num_devices])

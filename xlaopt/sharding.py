@@ -1,0 +1,77 @@
+"""The one logical-to-mesh rule table, and its resolution into PartitionSpecs.
+
+Rules are ordered (logical axis, mesh axes) pairs; for each array dimension the first
+rule naming its logical axis whose mesh axes are not already used by that array wins.
+Mesh axes of size 1 are dropped, so specs only name axes that actually split data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+from jax.sharding import PartitionSpec
+
+from xlaopt.mesh import MESH_AXES, MeshError, MeshSpec
+
+Rule = tuple[str, tuple[str, ...]]
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("seq", ("context",)),
+    ("act_heads", ("tensor",)),
+    ("act_kv_heads", ("tensor",)),
+    ("act_mlp", ("tensor",)),
+    ("act_vocab", ("tensor",)),
+    # parameters: FSDP shards the model dimension, tensor parallelism heads / mlp / vocab
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("mlp", ("tensor",)),
+    ("vocab", ("tensor",)),
+)
+
+
+def validate_rules(rules: Sequence[Rule]) -> None:
+    for logical, mesh_axes in rules:
+        unknown = [a for a in mesh_axes if a not in MESH_AXES]
+        if unknown:
+            raise MeshError(f"rule {logical!r} -> {mesh_axes}: unknown mesh axes {unknown}; axes are {MESH_AXES}")
+
+
+@dataclasses.dataclass
+class RuleUse:
+    """Which rules applied while resolving a set of arrays (for the layout report)."""
+    applied: set = dataclasses.field(default_factory=set)
+
+    def unused(self, rules: Sequence[Rule]) -> list[str]:
+        return [f"{l} -> {','.join(m)}" for l, m in rules if (l, m) not in self.applied]
+
+
+def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], rules: Sequence[Rule],
+                    mesh: MeshSpec, what: str, use: RuleUse | None = None) -> PartitionSpec:
+    """PartitionSpec for one array; raises MeshError naming `what` when an axis does not divide."""
+    used: set[str] = set()
+    out = []
+    for dim, (logical, size) in enumerate(zip(logical_axes, shape)):
+        chosen: tuple[str, ...] = ()
+        for rule_logical, mesh_axes in rules:
+            if rule_logical != logical or logical is None:
+                continue
+            if any(a in used for a in mesh_axes):
+                continue
+            chosen = tuple(a for a in mesh_axes if mesh.size(a) > 1)
+            if use is not None:
+                use.applied.add((rule_logical, mesh_axes))
+            break
+        ways = math.prod(mesh.size(a) for a in chosen)
+        if size % ways:
+            axes = ",".join(f"{a}={mesh.size(a)}" for a in chosen)
+            raise MeshError(f"mesh {mesh}: {axes} does not divide dimension {dim} ({logical}, size {size}) of "
+                            f"{what}; pick sizes for {'x'.join(chosen)} that divide {size}")
+        used.update(chosen)
+        out.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)

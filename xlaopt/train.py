@@ -1,0 +1,94 @@
+"""The training loop: compile the program, stream batches, step, time, summarise."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from xlaopt.compile import compile_program
+from xlaopt.data.prefetch import prefetch
+from xlaopt.data.synthetic import SyntheticData
+from xlaopt.hardware import mesh_peak
+from xlaopt.models.flops import batch_train_flops
+from xlaopt.progress import ProgressBar
+from xlaopt.program import TrainProgram
+from xlaopt.step import param_count
+
+
+def _host_batch(program: TrainProgram, data: SyntheticData, index: int):
+    batch = data.batch(index)
+    tokens = int((batch["text_segment_ids_BT"] > 0).sum() + (batch["gen_segment_ids_BV"] > 0).sum())
+    return batch, tokens, batch_train_flops(program.model, batch)
+
+
+def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
+    """Train for `steps` steps on synthetic data; returns the run's JSON-able summary.
+
+    Per step, `data_wait_s` is the time blocked waiting for the next host batch and
+    `step_time_s` the time from having it to the loss being on the host (transfer and
+    compute). Rates and MFU use steps after the first (its time includes warm-up).
+    """
+    compiled = compile_program(program)
+    t0 = time.perf_counter()
+    compiled.train_step  # compile before the clock starts
+    compile_s = time.perf_counter() - t0
+    key = jax.random.key(program.settings.seed)
+    state = compiled.init(jax.random.fold_in(key, 0))
+    data = SyntheticData(program.model, program.settings.batch, seed=program.settings.seed)
+    bar = ProgressBar(steps) if progress else None
+    records, flops, tokens = [], [], []
+    batches = prefetch(lambda i: _host_batch(program, data, i), steps)
+    for step in range(steps):
+        t_wait = time.perf_counter()
+        batch, n_tokens, n_flops = next(batches)
+        t_step = time.perf_counter()
+        state, metrics = compiled.train_step(state, compiled.put_batch(batch), key)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        t_end = time.perf_counter()
+        records.append({"step": step, "loss": metrics["loss"], "step_time_s": t_end - t_step,
+                        "data_wait_s": t_step - t_wait,
+                        **{k: v for k, v in metrics.items() if k != "loss"}})
+        flops.append(n_flops)
+        tokens.append(n_tokens)
+        if bar:
+            bar.update(step + 1, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
+
+    timed = records[1:] or records
+    busy = sum(r["step_time_s"] + r["data_wait_s"] for r in timed)
+    peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), program.settings.compute_dtype)
+    model_flops = float(np.mean(flops))
+    head, tail = [r["loss"] for r in records[:5]], [r["loss"] for r in records[-5:]]
+    return {
+        "model": program.model.name,
+        "param_count": param_count(program),
+        "mesh": program.mesh.as_dict(),
+        "compute_dtype": program.settings.compute_dtype,
+        "batch": {"batch_size": program.settings.batch.batch_size, "text_len": program.settings.batch.text_len,
+                  "gen_len": program.settings.batch.gen_len},
+        "compile_s": compile_s,
+        "steps": records,
+        "loss_first5_mean": statistics.fmean(head),
+        "loss_last5_mean": statistics.fmean(tail),
+        "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": sum(tokens[1:] or tokens) / busy,
+        "data_wait_fraction": sum(r["data_wait_s"] for r in timed) / busy,
+        "model_flops_per_step": model_flops,
+        "mfu": sum(flops[1:] or flops) / busy / peak.flops_per_s,
+        "peak_flops_per_s": peak.flops_per_s,
+        "peak_source": peak.source,
+    }
+
+
+def format_summary(result: dict) -> str:
+    return "\n".join([
+        f"model {result['model']}  params {result['param_count'] / 1e6:.1f}M  mesh "
+        + ",".join(f"{a}={s}" for a, s in result["mesh"].items() if s > 1) + f"  {result['compute_dtype']}",
+        f"steps {len(result['steps'])}  loss {result['loss_first5_mean']:.3f} -> {result['loss_last5_mean']:.3f}"
+        f" (mean of first / last 5)",
+        f"median step {result['median_step_time_s']:.3f}s  tokens/s {result['tokens_per_s']:.0f}  "
+        f"data wait {100 * result['data_wait_fraction']:.1f}%  compile {result['compile_s']:.1f}s",
+        f"model FLOPs/step {result['model_flops_per_step'] / 1e9:.1f} G  MFU {100 * result['mfu']:.1f}% "
+        f"of {result['peak_source']}",
+    ])
