@@ -28,7 +28,7 @@ def reference(tiny_config):
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "fsdp=4,tensor=2", "context=2,fsdp=2,tensor=2"])
 def test_sharded_matches_single_device(tiny_config, reference, mesh):
     result = compare(_grads(tiny_config, mesh), reference, "float32")
     assert result["ok"], result

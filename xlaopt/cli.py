@@ -59,13 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _program(args, mesh: MeshSpec):
+def _program_on_devices(args):
+    """The program the arguments describe, with the simulated devices its mesh needs.
+    Importing JAX is fine here; what must wait for the device count is its first backend use."""
     from xlaopt.data.batch import BatchShape
     from xlaopt.program import TrainProgram, TrainSettings
 
+    mesh = MeshSpec.parse(args.mesh)
     config = get_config(args.model, parse_overrides(args.set))
     batch = BatchShape(args.batch_size, args.text_len, args.gen_len)
-    return TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    request_cpu_devices(mesh.num_devices)
+    make_mesh(mesh)  # enough devices? say so before any compilation
+    return program
 
 
 def _apply_pipeline(args, program, dump_dir):
@@ -85,15 +91,12 @@ def _write_json(path: str | None, result: dict) -> None:
 
 
 def cmd_train(args) -> int:
-    mesh = MeshSpec.parse(args.mesh)
-    get_config(args.model, parse_overrides(args.set))  # fail fast, before JAX starts
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 step")
-    request_cpu_devices(mesh.num_devices)
-    make_mesh(mesh)  # enough devices? say so before any compilation
+    program = _program_on_devices(args)
     from xlaopt.train import format_summary, train
 
-    program, passes = _apply_pipeline(args, _program(args, mesh), args.dump_hlo)
+    program, passes = _apply_pipeline(args, program, args.dump_hlo)
     result = train(program, args.steps, progress=not args.no_progress)
     result["passes"] = passes
     print(format_summary(result))
@@ -102,14 +105,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    mesh = MeshSpec.parse(args.mesh)
-    get_config(args.model, parse_overrides(args.set))
-    request_cpu_devices(mesh.num_devices)
-    make_mesh(mesh)
+    program = _program_on_devices(args)
     from xlaopt.verify import compare, one_step_grads
 
-    sharded, passes = _apply_pipeline(args, _program(args, mesh), args.dump_hlo)
-    single, _ = _apply_pipeline(args, _program(args, MeshSpec()), None)
+    mesh = program.mesh
+    sharded, passes = _apply_pipeline(args, program, args.dump_hlo)
+    single, _ = _apply_pipeline(args, program.replace(mesh=MeshSpec()), None)
     result = compare(one_step_grads(sharded), one_step_grads(single), args.dtype)
     result.update(model=args.model, mesh=mesh.as_dict(), dtype=args.dtype, passes=passes)
     print(f"verify {args.model} on {mesh} ({args.dtype}): loss diff {result['max_abs_diff_loss']:.3g} "
