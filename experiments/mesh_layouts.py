@@ -3,7 +3,8 @@ XLA's default when nothing is sharded), on several 8-device meshes, in one proce
 
     python experiments/mesh_layouts.py [--steps 8] [--json out/mesh_layouts.json]
 
-Expected on a 2-core machine: ~6-8 minutes (two compiles of ~25 s per mesh plus the steps).
+Expected on a 2-core machine: ~10 minutes (two compiles of ~25 s per mesh, and replicated steps
+of ~9 s each since every device then computes the whole batch).
 Expected result: with the pass, parameter+optimizer bytes per device fall by the fsdp x tensor
 factor and the compiled HLO holds all-gathers / reduce-scatters; replicated runs hold one
 gradient all-reduce set and no gathers. CPU wall-clock ratios say little about a GPU cluster

@@ -1,0 +1,163 @@
+"""Cluster topologies: devices, nodes, and the link levels a collective can cross.
+
+A topology is `nodes` nodes of `devices_per_node` identical devices. Link levels run from
+the innermost (inside a node) outwards; a collective is priced on the outermost level its
+group spans. Bandwidths are per device and per direction, in bytes/s.
+
+On the command line a topology is `PRESET:NODESxDEVICES_PER_NODE` (`h100:16x8`) or the path
+of a TOML or JSON file with the fields of `Topology` (see `from_dict`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import tomllib
+
+from xlaopt.errors import UserError
+
+
+class TopologyError(UserError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: dict  # dtype name -> dense FLOP/s
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkLevel:
+    name: str
+    bytes_per_s: float  # per device, per direction
+    latency_s: float  # per collective step
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    name: str
+    device: Device
+    nodes: int
+    devices_per_node: int
+    levels: tuple[LinkLevel, ...]  # innermost first: levels[0] inside a node, levels[-1] between nodes
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise TopologyError(f"topology {self.name}: nodes and devices_per_node must be >= 1")
+        if not self.levels:
+            raise TopologyError(f"topology {self.name}: needs at least one link level")
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def level_of(self, device_indices) -> LinkLevel:
+        """The outermost link level a group of device indices (0..num_devices-1) spans."""
+        nodes = {i // self.devices_per_node for i in device_indices}
+        return self.levels[0] if len(nodes) <= 1 else self.levels[-1]
+
+
+# --- presets -------------------------------------------------------------------------------
+# Sources: NVIDIA H100 / H200 / A100 / GB200 NVL72 datasheets (dense Tensor Core peaks, HBM
+# size and bandwidth, NVLink bandwidth: the datasheets quote bidirectional totals, halved
+# here to per-direction), ConnectX-7 400 Gb/s and HDR 200 Gb/s per GPU for the scale-out
+# fabric (DGX H100/H200 and DGX A100 reference architectures). Latencies are not on any
+# datasheet: they are typical NCCL per-step latencies (a few us on NVLink, ~10 us across
+# InfiniBand) and are among the parameters the cost model calibrates.
+_GBps, _TFLOPs = 1e9, 1e12
+
+_DEVICES = {
+    "h100": Device("H100 SXM", {"bfloat16": 989 * _TFLOPs, "float16": 989 * _TFLOPs, "float8": 1979 * _TFLOPs,
+                                "float32": 67 * _TFLOPs}, 80e9, 3.35e12),
+    "h200": Device("H200 SXM", {"bfloat16": 989 * _TFLOPs, "float16": 989 * _TFLOPs, "float8": 1979 * _TFLOPs,
+                                "float32": 67 * _TFLOPs}, 141e9, 4.8e12),
+    "a100": Device("A100 SXM 80GB", {"bfloat16": 312 * _TFLOPs, "float16": 312 * _TFLOPs,
+                                     "float32": 19.5 * _TFLOPs}, 80e9, 2.039e12),
+    # GB200 NVL72: 180 PFLOP/s bf16 dense and 13.4 TB HBM3e over 72 GPUs; 8 TB/s per GPU.
+    "gb200": Device("B200 (GB200 NVL72)", {"bfloat16": 2500 * _TFLOPs, "float16": 2500 * _TFLOPs,
+                                           "float8": 5000 * _TFLOPs, "float32": 80 * _TFLOPs}, 186e9, 8e12),
+}
+_LEVELS = {
+    "h100": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
+    "h200": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
+    "a100": (LinkLevel("nvlink3", 300 * _GBps, 3e-6), LinkLevel("ib-200g", 25 * _GBps, 10e-6)),
+    "gb200": (LinkLevel("nvlink5", 900 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
+}
+_DEFAULT_SHAPE = {"h100": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 72)}
+PRESETS = tuple(_DEVICES) + ("cpu",)
+
+
+def preset(name: str, nodes: int | None = None, devices_per_node: int | None = None) -> Topology:
+    if name == "cpu":
+        return cpu_simulation(devices_per_node or 8)
+    if name not in _DEVICES:
+        raise TopologyError(f"unknown topology preset {name!r}; presets: {', '.join(PRESETS)} "
+                            f"(or give a TOML/JSON file)")
+    default_nodes, default_dpn = _DEFAULT_SHAPE[name]
+    nodes, dpn = nodes or default_nodes, devices_per_node or default_dpn
+    if name == "gb200" and dpn > 72:
+        raise TopologyError(f"gb200: an NVL72 domain holds at most 72 GPUs, not {dpn}")
+    return Topology(f"{name}:{nodes}x{dpn}", _DEVICES[name], nodes, dpn, _LEVELS[name])
+
+
+def cpu_simulation(devices: int, host_flops: float | None = None) -> Topology:
+    """Simulated CPU devices: one node, one level (host memory copies). The host's measured
+    matmul peak is shared by all simulated devices."""
+    if host_flops is None:
+        from xlaopt.hardware import measure_cpu_matmul_peak
+
+        host_flops = measure_cpu_matmul_peak("float32")
+    per_device = host_flops / devices
+    device = Device("simulated CPU device", {"float32": per_device, "bfloat16": per_device}, 0.0, 10e9)
+    return Topology(f"cpu:1x{devices}", device, 1, devices, (LinkLevel("host-memory", 10e9, 1e-6),))
+
+
+_SPEC = re.compile(r"^(?P<name>[a-z0-9]+)(:(?P<nodes>\d+)x(?P<dpn>\d+))?$")
+
+
+def parse_topology(text: str) -> Topology:
+    """`h100:16x8`, `gb200:1x72`, `cpu:1x8`, or a path to a TOML / JSON topology file."""
+    m = _SPEC.match(text.strip())
+    if m and not pathlib.Path(text).exists():
+        nodes, dpn = m.group("nodes"), m.group("dpn")
+        return preset(m.group("name"), int(nodes) if nodes else None, int(dpn) if dpn else None)
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise TopologyError(f"topology {text!r} is neither PRESET:NODESxDEVICES (presets: {', '.join(PRESETS)}) "
+                            f"nor an existing TOML/JSON file")
+    try:
+        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise TopologyError(f"topology file {path}: cannot parse: {e}") from None
+    return from_dict(data, str(path))
+
+
+def from_dict(data: dict, where: str = "topology") -> Topology:
+    """Build a topology from plain data:
+    {name, nodes, devices_per_node,
+     device: {name, peak_flops: {dtype: FLOP/s}, hbm_bytes, hbm_bytes_per_s},
+     levels: [{name, bytes_per_s, latency_s}, ...]  (innermost first)}"""
+    def need(obj: dict, key: str, ctx: str):
+        if not isinstance(obj, dict) or key not in obj:
+            raise TopologyError(f"{where}: missing field {ctx}{key}")
+        return obj[key]
+
+    device = need(data, "device", "")
+    levels = need(data, "levels", "")
+    if not isinstance(levels, list) or not levels:
+        raise TopologyError(f"{where}: levels must be a non-empty list, innermost first")
+    try:
+        return Topology(
+            name=str(data.get("name", where)),
+            device=Device(str(need(device, "name", "device.")), dict(need(device, "peak_flops", "device.")),
+                          float(need(device, "hbm_bytes", "device.")), float(need(device, "hbm_bytes_per_s", "device."))),
+            nodes=int(need(data, "nodes", "")), devices_per_node=int(need(data, "devices_per_node", "")),
+            levels=tuple(LinkLevel(str(need(l, "name", f"levels[{i}].")), float(need(l, "bytes_per_s", f"levels[{i}].")),
+                                   float(need(l, "latency_s", f"levels[{i}].")))
+                         for i, l in enumerate(levels)))
+    except (TypeError, ValueError) as e:
+        raise TopologyError(f"{where}: bad value: {e}") from None
