@@ -34,7 +34,7 @@ class Collective:
     position: int  # index of the instruction in its computation's schedule
     is_async: bool
     bytes: int  # per execution, scaling-book convention (see module docstring)
-    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result array
     replica_groups: tuple[tuple[int, ...], ...]
     executions: int  # per step: product of the trip counts of the loops around it
     mesh_axes: tuple[str, ...] = ()
@@ -43,6 +43,11 @@ class Collective:
     @property
     def total_bytes(self) -> int:
         return self.bytes * self.executions
+
+    @property
+    def scalar_bytes(self) -> int:
+        """Bytes of rank-0 results (loss terms, token counts) within `bytes`, per execution."""
+        return sum(_DTYPE_BYTES[d] for d, dims in self.shapes if not dims)
 
 
 def shape_bytes(text: str) -> int:
@@ -54,42 +59,67 @@ def shape_bytes(text: str) -> int:
     return total
 
 
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(x) for x in dims.split(",") if x]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
+
+
 def parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
-    """`replica_groups={{0,1},{2,3}}` or the iota form `replica_groups=[2,4]<=[4,2]T(1,0)`."""
+    """Replica groups in any of XLA's spellings:
+    explicit `{{0,1},{2,3}}`; iota `[2,4]<=[4,2]T(1,0)`; and the mesh form
+    `mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2)) {'axis_0'}` (device_ids
+    optional, default iota), whose groups vary along the braced axes."""
     m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", attrs)
     if m:
         return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attrs)
     if m:
-        out_shape = [int(x) for x in m.group(1).split(",")]
-        iota_shape = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(int(np.prod(iota_shape))).reshape(iota_shape)
-        if m.group(3):
-            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-        return tuple(tuple(int(x) for x in row) for row in ids.reshape(out_shape[0], -1))
+        groups = int(m.group(1).split(",")[0])
+        return tuple(tuple(int(x) for x in row) for row in _iota(m.group(2), m.group(3)).reshape(groups, -1))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?|[0-9,\s]*)\))?"
+                  r"\s*\{([^}]*)\}", attrs)
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        devices = np.arange(int(np.prod(sizes)))
+        if m.group(2):
+            d = re.fullmatch(r"\s*\[([0-9,]+)\](?:T\(([0-9,]+)\))?\s*", m.group(2))
+            devices = _iota(d.group(1), d.group(2)).ravel() if d else np.array(
+                [int(x) for x in m.group(2).split(",") if x.strip()])
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        arranged = devices.reshape(sizes).transpose(rest + grouped)
+        size = int(np.prod([sizes[i] for i in grouped]))
+        return tuple(tuple(int(x) for x in row) for row in arranged.reshape(-1, size))
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:  # collective-permute: each (source, target) pair is a group
+        return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
     return ()
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """Instruction lines per computation, and the entry computation's name."""
     comps: dict[str, list[str]] = {}
-    current = None
+    entry = current = None
     for line in hlo_text.splitlines():
         if current is None:
-            m = _COMPUTATION.match(line.strip())
-            if m and "=" not in line.split("{")[0]:
-                current = m.group(2)
+            if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+                head = line.split("(", 1)[0].split()
+                is_entry = head[0] == "ENTRY"
+                current = head[-1].lstrip("%")
                 comps[current] = []
+                entry = current if is_entry else entry
         elif line.strip() == "}":
             current = None
         else:
             comps[current].append(line)
-    return comps
+    return comps, entry
 
 
 def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
     """How many times each computation runs per call of the entry (while bodies x trip count)."""
     runs: dict[str, int] = {}
-    entry = next((name for name, lines in comps.items() if name.startswith("main") or "ENTRY" in name), None)
     callers: dict[str, list[tuple[str, int]]] = {}
     for name, lines in comps.items():
         for line in lines:
@@ -116,7 +146,7 @@ def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
 
 def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topology=None) -> list[Collective]:
     """Every collective in a compiled module, in schedule order within each computation."""
-    comps = _computations(hlo_text)
+    comps, _ = _computations(hlo_text)
     runs = _executions(comps)
     out = []
     for comp, lines in comps.items():
@@ -128,18 +158,26 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topolog
             kind = op.removesuffix("-start")
             if kind not in KINDS or op.endswith("-done"):
                 continue
-            operands = rest.split("),", 1)[0]
-            nbytes = shape_bytes(result_type) if kind == "all-gather" else shape_bytes(operands)
-            if op.endswith("-start") and kind == "all-gather":
-                nbytes = shape_bytes(result_type) - shape_bytes(operands)  # result tuple holds the operand too
             groups = parse_replica_groups(rest)
+            nbytes = _collective_bytes(kind, op, result_type, len(groups[0]) if groups else 1)
             out.append(Collective(
                 name=m.group(2), kind=kind, computation=comp, position=position, is_async=op.endswith("-start"),
-                bytes=nbytes, dtypes=tuple(sorted({d for d, _ in _SHAPE.findall(operands) if d in _DTYPE_BYTES})),
+                bytes=nbytes, shapes=tuple((d, tuple(int(x) for x in dims.split(",") if x))
+                                       for d, dims in _SHAPE.findall(result_type) if d in _DTYPE_BYTES),
                 replica_groups=groups, executions=runs.get(comp, 1),
                 mesh_axes=group_axes(groups, mesh_shape) if mesh_shape else (),
                 link_level=topology.level_of(groups[0]).name if topology is not None and groups else None))
     return out
+
+
+def _collective_bytes(kind: str, op: str, result_type: str, group_size: int) -> int:
+    """Compiled HLO names operands without their types, so bytes come from the result type."""
+    if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+        # The async result is a tuple (operand, result[, scratch]): the largest is the result.
+        return max((shape_bytes(f"{d}[{dims}]") for d, dims in _SHAPE.findall(result_type)), default=0)
+    if kind == "reduce-scatter":
+        return shape_bytes(result_type) * group_size
+    return shape_bytes(result_type)
 
 
 def group_axes(groups: Sequence[Sequence[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
