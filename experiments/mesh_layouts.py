@@ -37,7 +37,7 @@ def measure(program, steps: int) -> dict:
     import jax
 
     from xlaopt.compile import compile_program
-    from xlaopt.data.synthetic import SyntheticData
+    from xlaopt.families import family_of
 
     compiled = compile_program(program)
     t0 = time.perf_counter()
@@ -46,7 +46,7 @@ def measure(program, steps: int) -> dict:
     memory = step.memory_analysis()
     key = jax.random.key(0)
     state = compiled.init(key)
-    data = SyntheticData(program.model, program.settings.batch)
+    data = family_of(program.model).synthetic(program.model, program.settings.batch, 0)
     times = []
     for i in range(steps):
         batch = compiled.put_batch(data.batch(i))
@@ -75,7 +75,7 @@ def main() -> int:
 
     meshes = [MeshSpec.parse(m) for m in args.meshes.split(";")]
     request_cpu_devices(max(m.num_devices for m in meshes))
-    from xlaopt.models.config import get_config
+    from xlaopt.models.registry import get_config
     from xlaopt.pipeline import pipeline, run_pipeline
     from xlaopt.program import TrainProgram
 

@@ -22,67 +22,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from xlaopt.models.config import Cosmos3Config
-from xlaopt.models.layers import Mlp, RMSNorm, attention, constrain, embedding_lookup, param
+from xlaopt.models.block import TransformerBlock
+from xlaopt.models.cosmos3_config import Cosmos3Config
+from xlaopt.models.layers import RMSNorm, attention, constrain, embedding_lookup, param
 from xlaopt.models.masks import two_way_mask
-from xlaopt.models.mrope import apply_rope, rope_cos_sin
+from xlaopt.models.mrope import rope_cos_sin
 
 PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
 MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 
 
-class TowerBlock(nn.Module):
-    """One tower's weights for one layer: norms, GQA projections with QK-norm, MLP."""
-    d_model: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    mlp_dim: int
-    mlp_activation: str
-    norm_eps: float
-    dtype: jnp.dtype
-
-    def setup(self):
-        D, H, N, K = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-        self.attn_norm = RMSNorm(D, "embed", self.norm_eps)
-        self.q_proj_DHK = param(self, "q_proj_DHK", (D, H, K), ("embed", "heads", "head_dim"))
-        self.k_proj_DNK = param(self, "k_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
-        self.v_proj_DNK = param(self, "v_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
-        self.o_proj_HKD = param(self, "o_proj_HKD", (H, K, D), ("heads", "head_dim", "embed"), fan_in_axes=(0, 1))
-        self.q_norm = RMSNorm(K, "head_dim", self.norm_eps)
-        self.k_norm = RMSNorm(K, "head_dim", self.norm_eps)
-        self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
-        self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
-
-    def qkv(self, x_BLD, cos_BLK, sin_BLK):
-        h_BLD = self.attn_norm(x_BLD)
-        q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
-        k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
-        v_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype))
-        q_BLHK = apply_rope(self.q_norm(q_BLHK), cos_BLK, sin_BLK)
-        k_BLNK = apply_rope(self.k_norm(k_BLNK), cos_BLK, sin_BLK)
-        q_BLHK = constrain(q_BLHK, ("batch", "seq", "act_heads", "head_dim"))
-        k_BLNK = constrain(k_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
-        v_BLNK = constrain(v_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
-        return q_BLHK, k_BLNK, v_BLNK
-
-    def finish(self, x_BLD, attn_BLHK):
-        """Output projection and MLP, each with its residual."""
-        x_BLD = x_BLD + jnp.einsum("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype))
-        x_BLD = constrain(x_BLD, ("batch", "seq", "act_embed"))
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
-        return constrain(x_BLD, ("batch", "seq", "act_embed"))
-
-
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
-    tower: dict  # TowerBlock fields, identical for both towers
+    tower: dict  # TransformerBlock fields, identical for both towers
 
     @nn.compact
     def __call__(self, carry, mask_TT, mask_VS, rope_T, rope_V):
         x_BTD, x_BVD = carry
-        reasoner = TowerBlock(name="reasoner", **self.tower)
-        generator = TowerBlock(name="generator", **self.tower)
+        reasoner = TransformerBlock(name="reasoner", **self.tower)
+        generator = TransformerBlock(name="generator", **self.tower)
         q_BTHK, k_BTNK, v_BTNK = reasoner.qkv(x_BTD, *rope_T)
         q_BVHK, k_BVNK, v_BVNK = generator.qkv(x_BVD, *rope_V)
         k_BSNK = jnp.concatenate([k_BTNK, k_BVNK], axis=1)
@@ -172,12 +130,14 @@ class Cosmos3(nn.Module):
     dtype: jnp.dtype = jnp.bfloat16
 
     @nn.compact
-    def __call__(self, batch: dict, gen_inputs_BVC: jax.Array):
+    def __call__(self, batch: dict, gen_inputs_BVC: jax.Array | None = None):
         """Returns (text logits [B,T,E] fp32, generator predictions [B,V,C] fp32).
 
         `gen_inputs_BVC` is what the generator reads: noised latents on noisy tokens,
-        clean ones on conditioning tokens.
+        clean ones on conditioning tokens (default: the clean latents, e.g. at init).
         """
+        if gen_inputs_BVC is None:
+            gen_inputs_BVC = batch["gen_x0_BVC"]
         c, dt = self.config, self.dtype
         D, E = c.d_model, c.vocab_size
         text_seg_BT, gen_seg_BV = batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.cosmos3_config import Cosmos3Config
 
 
 def layer_weights_per_tower(c: Cosmos3Config) -> int:

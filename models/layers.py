@@ -97,8 +97,10 @@ class Mlp(nn.Module):
         if self.activation == "swiglu":
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
             h_BLF = nn.silu(jnp.einsum("bld,df->blf", x_BLD, gate_DF)) * up_BLF
-        else:  # relu^2
+        elif self.activation == "relu2":
             h_BLF = jnp.square(nn.relu(up_BLF))
+        else:  # gelu (GPT, MPT)
+            h_BLF = nn.gelu(up_BLF)
         h_BLF = constrain(h_BLF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, down_FD)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
 
 
@@ -22,8 +22,10 @@ def _masked_mean(values, mask):
     return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def loss_fn(model: Cosmos3, params, batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, dict]:
+def loss_fn(model: Cosmos3, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+    """Total loss and per-modality terms; the flow noise is drawn from `key`."""
     c: Cosmos3Config = model.config
+    noise_BVC = jax.random.normal(key, batch["gen_x0_BVC"].shape, jnp.float32)
     x_t_BVC, target_BVC = noised_inputs(batch, noise_BVC)
     logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
 

@@ -13,11 +13,10 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from xlaopt.data.batch import batch_spec
 from xlaopt.pipeline import PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
-from xlaopt.step import abstract_params_with_axes, abstract_state, make_optimizer, traced_activation_axes
+from xlaopt.step import abstract_params_with_axes, abstract_state, batch_spec, make_optimizer, traced_activation_axes
 
 
 def _path_name(path) -> str:
@@ -43,7 +42,7 @@ class MeshLayout:
                                           param_specs, transform_non_params=lambda _: PartitionSpec(),
                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
         batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)
-                       for name, (shape, _, axes) in batch_spec(program.model, program.settings.batch).items()}
+                       for name, (shape, _, axes) in batch_spec(program).items()}
         for shape, axes in traced_activation_axes(program):
             logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
         shardings = ProgramShardings(TrainState(PartitionSpec(), param_specs, opt_specs), batch_specs)

@@ -10,8 +10,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.devices()  # start the backend now so no later call can change the device count
 
 from xlaopt.data.batch import BatchShape  # noqa: E402
-from xlaopt.data.synthetic import SyntheticData  # noqa: E402
-from xlaopt.models.config import get_config  # noqa: E402
+from xlaopt.data.synthetic_cosmos import SyntheticCosmos  # noqa: E402
+from xlaopt.models.registry import get_config  # noqa: E402
 
 # Small enough to compile in seconds; the layout and every size still divide 8.
 SMALL = dict(num_layers=2)
@@ -29,7 +29,7 @@ def batch_shape():
 
 @pytest.fixture(scope="session")
 def synthetic_batch(tiny_config, batch_shape):
-    return SyntheticData(tiny_config, batch_shape, seed=3).batch(0)
+    return SyntheticCosmos(tiny_config, batch_shape, seed=3).batch(0)
 
 
 def needs_devices(n: int):

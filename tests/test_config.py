@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from xlaopt.models.config import ConfigError, Cosmos3Config, get_config, parse_overrides
+from xlaopt.models.registry import ConfigError, get_config, parse_overrides
 from xlaopt.models.flops import forward_flops, layer_weights_per_tower
 from xlaopt.program import TrainProgram
 from xlaopt.step import param_count
@@ -28,7 +28,7 @@ def test_configs_are_frozen():
 ])
 def test_bad_overrides_say_what_is_wrong(items, message):
     with pytest.raises(ConfigError, match=message):
-        parse_overrides(items)
+        parse_overrides("cosmos3-tiny", items)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -103,8 +103,8 @@ def test_traced_function_and_hlo_levels_are_wired(program):
     base = TrainProgram(program.model)  # single device
     rewritten = base.replace(grad_transforms=(NamedTransform("double-loss", double_loss),),
                              hlo_transforms=(HloTransform("watch", watch),))
-    from xlaopt.data.synthetic import SyntheticData
-    batch = SyntheticData(base.model, base.settings.batch).batch(0)
+    from xlaopt.data.synthetic_cosmos import SyntheticCosmos
+    batch = SyntheticCosmos(base.model, base.settings.batch).batch(0)
     losses = []
     for p in (base, rewritten):
         c = compile_program(p)

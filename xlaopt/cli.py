@@ -11,7 +11,7 @@ import sys
 
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec, make_mesh, request_cpu_devices
-from xlaopt.models.config import get_config, parse_overrides, registered_models
+from xlaopt.models.registry import get_config, parse_overrides, registered_models
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -24,9 +24,9 @@ def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     _model_args(p)
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
     p.add_argument("--dtype", default=default_dtype, help=f"compute dtype (default {default_dtype})")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--text-len", type=int, default=48, help="reasoner tokens per packed row")
-    p.add_argument("--gen-len", type=int, default=96, help="generator tokens per packed row")
+    p.add_argument("--batch-size", type=int, default=None, help="packed rows per step (default: the model family's)")
+    p.add_argument("--text-len", type=int, default=None, help="text (reasoner) tokens per packed row")
+    p.add_argument("--gen-len", type=int, default=None, help="generator tokens per packed row (Cosmos 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--passes", default=None, help="run only these passes (comma-separated, pipeline order)")
     p.add_argument("--disable", default="", help="skip these passes (comma-separated)")
@@ -63,11 +63,15 @@ def _program_on_devices(args):
     """The program the arguments describe, with the simulated devices its mesh needs.
     Importing JAX is fine here; what must wait for the device count is its first backend use."""
     from xlaopt.data.batch import BatchShape
+    from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
 
     mesh = MeshSpec.parse(args.mesh)
-    config = get_config(args.model, parse_overrides(args.set))
-    batch = BatchShape(args.batch_size, args.text_len, args.gen_len)
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    default = family_of(config).default_batch
+    pick = lambda value, fallback: fallback if value is None else value
+    batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
+                       pick(args.gen_len, default.gen_len))
     program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
     request_cpu_devices(mesh.num_devices)
     make_mesh(mesh)  # enough devices? say so before any compilation
@@ -127,15 +131,15 @@ def cmd_models(args) -> int:
     rows = []
     for name in registered_models():
         c = get_config(name)
-        rows.append({"name": name, "param_count": param_count(TrainProgram(c)), "d_model": c.d_model,
+        rows.append({"name": name, "family": c.family, "param_count": param_count(TrainProgram(c)), "d_model": c.d_model,
                      "num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                      "head_dim": c.head_dim, "mlp_dim": c.mlp_dim, "vocab_size": c.vocab_size})
     print(f"{'model':<16}{'params':>10}  {'d_model':>7} {'layers':>6} {'heads':>5} {'kv':>3} {'mlp':>6}")
     for r in rows:
         print(f"{r['name']:<16}{_human(r['param_count']):>10}  {r['d_model']:>7} {r['num_layers']:>6} "
               f"{r['num_heads']:>5} {r['num_kv_heads']:>3} {r['mlp_dim']:>6}")
-    print("params: both towers, embedding, LM head and generator I/O, counted from the abstract parameter tree; "
-          "the reasoner's ViT image encoder is not part of the model and not counted.")
+    print("params: counted from the abstract parameter tree (Cosmos 3: both towers, embedding, LM head, "
+          "generator I/O; the reasoner's ViT image encoder is not modelled and not counted).")
     _write_json(args.json, {"models": rows})
     return 0
 

@@ -7,12 +7,11 @@ import functools
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xlaopt.data.batch import batch_spec
 from xlaopt.mesh import make_mesh
 from xlaopt.models.layers import activation_constraint
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import logical_to_spec
-from xlaopt.step import abstract_state, build_grad_fn, build_init, build_train_step
+from xlaopt.step import abstract_state, batch_spec, build_grad_fn, build_init, build_train_step
 
 
 class CompiledProgram:
@@ -24,7 +23,7 @@ class CompiledProgram:
         self.mesh = mesh = mesh or make_mesh(program.mesh)
         named = lambda spec: NamedSharding(mesh, spec)
         abstract = abstract_state(program)
-        spec = batch_spec(program.model, program.settings.batch)
+        spec = batch_spec(program)
         if program.shardings is None:  # no layout applied: everything replicated
             state_specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
             batch_specs = {k: PartitionSpec() for k in spec}

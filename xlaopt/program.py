@@ -17,7 +17,6 @@ from typing import Any, Callable, NamedTuple
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec
-from xlaopt.models.config import Cosmos3Config
 from xlaopt.sharding import DEFAULT_RULES, Rule, validate_rules
 
 DTYPES = ("bfloat16", "float32")
@@ -72,7 +71,7 @@ class HloTransform:
 
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
-    model: Cosmos3Config
+    model: Any  # a registered model config (see xlaopt.models.registry)
     mesh: MeshSpec = MeshSpec()
     rules: tuple[Rule, ...] = DEFAULT_RULES
     settings: TrainSettings = TrainSettings()

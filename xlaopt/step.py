@@ -9,10 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xlaopt.data.batch import batch_spec
-from xlaopt.models.cosmos3 import Cosmos3
+from xlaopt.families import family_of
 from xlaopt.models.layers import activation_constraint
-from xlaopt.models.objective import loss_fn
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 
 
@@ -24,22 +22,25 @@ def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=s.b1, b2=s.b2, weight_decay=s.weight_decay, mask=decay_mask))
 
 
-def make_model(program: TrainProgram) -> Cosmos3:
-    return Cosmos3(program.model, dtype=jnp.dtype(program.settings.compute_dtype))
+def make_model(program: TrainProgram):
+    return family_of(program.model).module(program.model, dtype=jnp.dtype(program.settings.compute_dtype))
 
 
-def zero_batch(program: TrainProgram) -> dict:
-    return {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program.model, program.settings.batch).items()}
+def batch_spec(program: TrainProgram) -> dict:
+    return family_of(program.model).batch_spec(program.model, program.settings.batch)
+
+
+def abstract_batch(program: TrainProgram) -> dict:
+    return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in batch_spec(program).items()}
 
 
 def base_grad_fn(program: TrainProgram):
-    """(params, batch, key) -> (loss, metrics, grads); the noise is drawn from `key`."""
-    model = make_model(program)
+    """(params, batch, key) -> (loss, metrics, grads); any sampling in the loss uses `key`."""
+    model, loss_fn = make_model(program), family_of(program.model).loss
 
     def grad_fn(params, batch, key):
-        noise_BVC = jax.random.normal(key, batch["gen_x0_BVC"].shape, jnp.float32)
         (loss, metrics), grads = jax.value_and_grad(functools.partial(loss_fn, model), has_aux=True)(
-            params, batch, noise_BVC)
+            params, batch, key)
         return loss, metrics, grads
 
     return grad_fn
@@ -70,24 +71,22 @@ def build_init(program: TrainProgram):
     model, opt = make_model(program), make_optimizer(program.settings)
 
     def init(key) -> TrainState:
-        batch = zero_batch(program)
-        params = nn.meta.unbox(model.init(key, batch, batch["gen_x0_BVC"])["params"])
+        batch = {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program).items()}
+        params = nn.meta.unbox(model.init(key, batch)["params"])
         return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
 
     return init
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_boxed_params(program_model, dtype_name, batch_shape):
-    model = Cosmos3(program_model, dtype=jnp.dtype(dtype_name))
-    spec = batch_spec(program_model, batch_shape)
-    batch = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in spec.items()}
-    return jax.eval_shape(model.init, jax.random.key(0), batch, batch["gen_x0_BVC"])["params"]
+def _abstract_boxed_params(program: TrainProgram):
+    return jax.eval_shape(make_model(program).init, jax.random.key(0), abstract_batch(program))["params"]
 
 
 def abstract_params_with_axes(program: TrainProgram):
     """(abstract params, logical PartitionSpec tree), built with jax.eval_shape: no allocation."""
-    boxed = _abstract_boxed_params(program.model, program.settings.compute_dtype, program.settings.batch)
+    # Parameters depend on the model and dtype only; key the cache on those.
+    boxed = _abstract_boxed_params(TrainProgram(program.model, settings=program.settings))
     return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
 
 
@@ -110,8 +109,6 @@ def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...],
         return x
 
     params, _ = abstract_params_with_axes(program)
-    spec = batch_spec(program.model, program.settings.batch)
-    batch = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in spec.items()}
     with activation_constraint(record):
-        jax.eval_shape(build_grad_fn(program), params, batch, jax.random.key(0))
+        jax.eval_shape(build_grad_fn(program), params, abstract_batch(program), jax.random.key(0))
     return list(seen)

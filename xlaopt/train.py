@@ -1,6 +1,7 @@
 """The training loop: compile the program, stream batches, step, time, summarise."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -9,18 +10,17 @@ import numpy as np
 
 from xlaopt.compile import compile_program
 from xlaopt.data.prefetch import prefetch
-from xlaopt.data.synthetic import SyntheticData
+from xlaopt.families import family_of
 from xlaopt.hardware import mesh_peak
-from xlaopt.models.flops import batch_train_flops
 from xlaopt.progress import ProgressBar
 from xlaopt.program import TrainProgram
 from xlaopt.step import param_count
 
 
-def _host_batch(program: TrainProgram, data: SyntheticData, index: int):
+def _host_batch(program: TrainProgram, data, index: int):
+    family = family_of(program.model)
     batch = data.batch(index)
-    tokens = int((batch["text_segment_ids_BT"] > 0).sum() + (batch["gen_segment_ids_BV"] > 0).sum())
-    return batch, tokens, batch_train_flops(program.model, batch)
+    return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
 
 
 def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
@@ -36,7 +36,7 @@ def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
     compile_s = time.perf_counter() - t0
     key = jax.random.key(program.settings.seed)
     state = compiled.init(jax.random.fold_in(key, 0))
-    data = SyntheticData(program.model, program.settings.batch, seed=program.settings.seed)
+    data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
     bar = ProgressBar(steps) if progress else None
     records, flops, tokens = [], [], []
     batches = prefetch(lambda i: _host_batch(program, data, i), steps)
@@ -65,8 +65,7 @@ def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
         "param_count": param_count(program),
         "mesh": program.mesh.as_dict(),
         "compute_dtype": program.settings.compute_dtype,
-        "batch": {"batch_size": program.settings.batch.batch_size, "text_len": program.settings.batch.text_len,
-                  "gen_len": program.settings.batch.gen_len},
+        "batch": dataclasses.asdict(program.settings.batch),
         "compile_s": compile_s,
         "steps": records,
         "loss_first5_mean": statistics.fmean(head),

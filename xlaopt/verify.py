@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from xlaopt.compile import compile_program
-from xlaopt.data.synthetic import SyntheticData
+from xlaopt.families import family_of
 from xlaopt.program import TrainProgram
 
 TOLERANCES = {  # dtype -> (loss relative, gradient relative L2)
@@ -32,7 +32,7 @@ def one_step_grads(program: TrainProgram):
     compiled = compile_program(program)
     key = jax.random.key(program.settings.seed)
     params = compiled.init(jax.random.fold_in(key, 0)).params
-    batch = SyntheticData(program.model, program.settings.batch, seed=program.settings.seed).batch(0)
+    batch = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed).batch(0)
     loss, _, grads = compiled.grads(params, compiled.put_batch(batch), jax.random.fold_in(key, 1))
     return float(loss), jax.tree.map(np.asarray, grads)
 

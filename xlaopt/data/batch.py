@@ -1,8 +1,8 @@
-"""The packed batch the Cosmos 3 model consumes: names, shapes, dtypes, logical axes.
+"""The packed batches the models consume: names, shapes, dtypes, logical axes.
 
-A row is [reasoner region of `text_len` tokens | generator region of `gen_len` tokens]
-(see `xlaopt.models.cosmos3`). Producers (synthetic now, the tensorstore loader later)
-emit exactly these arrays.
+Cosmos 3 rows are [reasoner region of `text_len` tokens | generator region of `gen_len`
+tokens] (see `xlaopt.models.cosmos3`); decoder rows are `text_len` tokens of packed
+documents. Producers (synthetic now, the tensorstore loader later) emit exactly these arrays.
 """
 from __future__ import annotations
 
@@ -11,25 +11,28 @@ import dataclasses
 import numpy as np
 
 from xlaopt.errors import UserError
-from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.cosmos3_config import Cosmos3Config
+from xlaopt.models.decoder import DecoderConfig
+
+Spec = dict[str, tuple[tuple[int, ...], np.dtype, tuple]]
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
     batch_size: int = 8
     text_len: int = 48
-    gen_len: int = 96
+    gen_len: int = 96  # generator tokens per row (Cosmos 3 only)
 
     def __post_init__(self):
-        if min(self.batch_size, self.text_len, self.gen_len) < 1:
-            raise UserError(f"batch shape {self} must be positive in every field")
+        if min(self.batch_size, self.text_len) < 1 or self.gen_len < 0:
+            raise UserError(f"batch shape {self}: batch_size and text_len must be positive, gen_len >= 0")
 
     @property
     def tokens(self) -> int:
         return self.batch_size * (self.text_len + self.gen_len)
 
 
-def batch_spec(config: Cosmos3Config, shape: BatchShape) -> dict[str, tuple[tuple[int, ...], np.dtype, tuple]]:
+def cosmos3_batch_spec(config: Cosmos3Config, shape: BatchShape) -> Spec:
     """name -> (shape, dtype, logical axes) for every array in a packed batch."""
     B, T, V, C = shape.batch_size, shape.text_len, shape.gen_len, config.generator_in_dim
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
@@ -46,3 +49,9 @@ def batch_spec(config: Cosmos3Config, shape: BatchShape) -> dict[str, tuple[tupl
         "gen_sigma_BV": ((B, V), f32, bv),
         "gen_x0_BVC": ((B, V, C), f32, bv + (None,)),
     }
+
+
+def decoder_batch_spec(config: DecoderConfig, shape: BatchShape) -> Spec:
+    B, T = shape.batch_size, shape.text_len
+    i32 = np.dtype(np.int32)
+    return {name: ((B, T), i32, ("batch", "seq")) for name in ("tokens_BT", "segment_ids_BT", "positions_BT")}

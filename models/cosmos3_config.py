@@ -1,27 +1,23 @@
-"""Cosmos 3 style model configs: one frozen dataclass, variants registered by name.
+"""Cosmos 3 style model config, and its registered variants.
 
 Derived fields (`head_dim`, `mrope_sections`) are `None` in a spec and resolved in
-`__post_init__`, so an override of `d_model` re-derives them unless they are set too.
-Overrides always start from the registered spec, never from a resolved config.
+`__post_init__`, so an override of `d_model` re-derives them unless they are set too
+(overrides start from the registered spec, see `xlaopt.models.registry`).
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, get_type_hints
+from typing import ClassVar
 
-from xlaopt.errors import UserError
+from xlaopt.models.registry import ConfigError, register
 
 # Released reasoners split 64 rotary frequencies as T:H:W = 24:20:20 (Qwen3-VL).
 _RELEASED_MROPE = (24, 20, 20)
 
 
-class ConfigError(UserError):
-    """A config or override that cannot describe a model; the message says how to fix it."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Cosmos3Config:
+    family: ClassVar[str] = "cosmos3"
     name: str
     vocab_size: int
     d_model: int
@@ -97,80 +93,13 @@ def derive_mrope_sections(head_dim: int) -> tuple[int, int, int]:
     return (half - 2 * hw, hw, hw)
 
 
-_REGISTRY: dict[str, dict[str, Any]] = {}
-
-
-def register(name: str, **spec: Any) -> None:
-    if name in _REGISTRY:
-        raise ConfigError(f"model {name!r} is registered twice")
-    Cosmos3Config(name=name, **spec)  # validate at registration time
-    _REGISTRY[name] = spec
-
-
-def registered_models() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
-
-
-def get_config(name: str, overrides: dict[str, Any] | None = None) -> Cosmos3Config:
-    """The registered config `name` with `overrides` (already typed) applied to its spec."""
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"unknown model {name!r}; {hint}registered: {', '.join(_REGISTRY)}")
-    overrides = dict(overrides or {})
-    fields = {f.name for f in dataclasses.fields(Cosmos3Config)} - {"name"}
-    for key in overrides:
-        if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config field {key!r}{hint}; fields: {', '.join(sorted(fields))}")
-    return Cosmos3Config(name=name, **{**_REGISTRY[name], **overrides})
-
-
-def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Parse `key=value` strings into typed values, using the dataclass field types."""
-    hints = get_type_hints(Cosmos3Config)
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set num_layers=2")
-        if key not in hints or key == "name":
-            close = difflib.get_close_matches(key, hints, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"--set {item!r}: unknown config field {key!r}{hint}")
-        out[key] = _parse_value(key, raw.strip(), hints[key])
-    return out
-
-
-def _parse_value(key: str, raw: str, hint: Any) -> Any:
-    text = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-    try:
-        if "tuple" in text:
-            return tuple(int(v) for v in raw.replace("(", "").replace(")", "").split(",") if v.strip())
-        if "bool" in text:
-            if raw.lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if "int" in text:
-            return None if raw.lower() == "none" and "None" in text else int(raw)
-        if "float" in text:
-            return float(raw)
-        return raw
-    except ValueError:
-        raise ConfigError(f"--set {key}={raw!r}: not a valid {text}") from None
-
-
 # Tiny: trains on a 2-core CPU in seconds per step; every size divides 8 so any
 # 8-device mesh of data/fsdp/tensor fits.
-register("cosmos3-tiny", vocab_size=4096, d_model=256, num_layers=6, num_heads=8, num_kv_heads=4,
+register("cosmos3-tiny", Cosmos3Config, vocab_size=4096, d_model=256, num_layers=6, num_heads=8, num_kv_heads=4,
          mlp_dim=1024, rope_theta=1e4, num_action_domains=4, action_dim=16, sound_dim=16,
          latent_channels=8, timestep_freq_dim=64)
 # Released sizes (reasoner Qwen3-VL-8B / -32B); built abstractly only.
-register("cosmos3-nano", vocab_size=151936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+register("cosmos3-nano", Cosmos3Config, vocab_size=151936, d_model=4096, num_layers=36, num_heads=32, num_kv_heads=8,
          mlp_dim=12288, head_dim=128, mrope_sections=_RELEASED_MROPE)
-register("cosmos3-super", vocab_size=151936, d_model=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+register("cosmos3-super", Cosmos3Config, vocab_size=151936, d_model=5120, num_layers=64, num_heads=64, num_kv_heads=8,
          mlp_dim=25600, head_dim=128, mrope_sections=_RELEASED_MROPE)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from xlaopt.data.batch import BatchShape, batch_spec
+from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.models import mrope
-from xlaopt.models.config import Cosmos3Config
+from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
 
 NUM_CLASSES = 16
@@ -23,7 +23,7 @@ MAX_MISSES = 4
 RESOLUTION_SHIFT = 3.0  # sigma shift for the smallest (256p) resolution
 
 
-class SyntheticData:
+class SyntheticCosmos:
     """An endless, seeded stream of packed batches: `batch(i)` is a pure function of (seed, i)."""
 
     def __init__(self, config: Cosmos3Config, shape: BatchShape, seed: int = 0):
@@ -34,7 +34,7 @@ class SyntheticData:
         C = config.generator_in_dim
         self._video_mean = world.standard_normal((NUM_CLASSES, C)).astype(np.float32)
         self._phase = world.uniform(0, 2 * np.pi, size=(NUM_CLASSES, C)).astype(np.float32)
-        self._spec = batch_spec(config, shape)
+        self._spec = cosmos3_batch_spec(config, shape)
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, index])

@@ -1,0 +1,56 @@
+"""The pre-norm transformer block shared by the model families."""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from xlaopt.models.layers import Mlp, RMSNorm, constrain, param
+from xlaopt.models.mrope import apply_rope
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm transformer block's weights: norms, GQA projections (optionally with
+    per-head QK RMSNorm), MLP. A Cosmos 3 layer holds two (one per tower); a decoder LLM one."""
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    mlp_activation: str
+    norm_eps: float
+    dtype: jnp.dtype
+    qk_norm: bool = True
+
+    def setup(self):
+        D, H, N, K = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
+        self.attn_norm = RMSNorm(D, "embed", self.norm_eps)
+        self.q_proj_DHK = param(self, "q_proj_DHK", (D, H, K), ("embed", "heads", "head_dim"))
+        self.k_proj_DNK = param(self, "k_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
+        self.v_proj_DNK = param(self, "v_proj_DNK", (D, N, K), ("embed", "kv_heads", "head_dim"))
+        self.o_proj_HKD = param(self, "o_proj_HKD", (H, K, D), ("heads", "head_dim", "embed"), fan_in_axes=(0, 1))
+        if self.qk_norm:
+            self.q_norm = RMSNorm(K, "head_dim", self.norm_eps)
+            self.k_norm = RMSNorm(K, "head_dim", self.norm_eps)
+        self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
+        self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
+
+    def qkv(self, x_BLD, cos_BLK, sin_BLK):
+        h_BLD = self.attn_norm(x_BLD)
+        q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
+        k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
+        v_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype))
+        if self.qk_norm:
+            q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(k_BLNK)
+        q_BLHK = apply_rope(q_BLHK, cos_BLK, sin_BLK)
+        k_BLNK = apply_rope(k_BLNK, cos_BLK, sin_BLK)
+        q_BLHK = constrain(q_BLHK, ("batch", "seq", "act_heads", "head_dim"))
+        k_BLNK = constrain(k_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
+        v_BLNK = constrain(v_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
+        return q_BLHK, k_BLNK, v_BLNK
+
+    def finish(self, x_BLD, attn_BLHK):
+        """Output projection and MLP, each with its residual."""
+        x_BLD = x_BLD + jnp.einsum("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype))
+        x_BLD = constrain(x_BLD, ("batch", "seq", "act_embed"))
+        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        return constrain(x_BLD, ("batch", "seq", "act_embed"))

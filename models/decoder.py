@@ -1,0 +1,140 @@
+"""A generic decoder-only LLM (Llama style: RMSNorm, GQA, RoPE, SwiGLU; GELU MLP for GPT/MPT
+style rows), for calibrating the cost model on published runs and as the first of the
+mainstream models the passes serve. Packed documents are separated by segment ids.
+
+Batch contract: tokens_BT, segment_ids_BT (0 = padding), positions_BT.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaopt.models.block import TransformerBlock
+from xlaopt.models.layers import RMSNorm, attention, constrain, embedding_lookup, param
+from xlaopt.models.masks import two_way_mask
+from xlaopt.models.mrope import rope_cos_sin
+from xlaopt.models.registry import ConfigError, register
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    family: ClassVar[str] = "decoder"
+    name: str
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mlp_dim: int
+    head_dim: int | None = None
+    mlp_activation: str = "swiglu"  # "swiglu" (Llama), "gelu" (GPT, MPT), "relu2"
+    qk_norm: bool = False
+    rope_theta: float = 5e5
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: bool = False
+
+    def __post_init__(self):
+        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"{self.name}: {field}={getattr(self, field)} must be positive")
+        if self.head_dim is None:
+            if self.d_model % self.num_heads:
+                raise ConfigError(f"{self.name}: d_model={self.d_model} is not divisible by num_heads="
+                                  f"{self.num_heads}; set head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
+        if self.head_dim % 2:
+            raise ConfigError(f"{self.name}: head_dim={self.head_dim} must be even (rotary pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"{self.name}: num_heads={self.num_heads} is not a multiple of "
+                              f"num_kv_heads={self.num_kv_heads}")
+        if self.mlp_activation not in ("swiglu", "gelu", "relu2"):
+            raise ConfigError(f"{self.name}: mlp_activation={self.mlp_activation!r}; use swiglu, gelu or relu2")
+
+
+class DecoderLayer(nn.Module):
+    block: dict
+
+    @nn.compact
+    def __call__(self, x_BTD, mask_BTT, rope):
+        block = TransformerBlock(name="block", **self.block)
+        q_BTHK, k_BTNK, v_BTNK = block.qkv(x_BTD, *rope)
+        return block.finish(x_BTD, attention(q_BTHK, k_BTNK, v_BTNK, mask_BTT)), None
+
+
+class Decoder(nn.Module):
+    config: DecoderConfig
+    dtype: jnp.dtype = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, batch: dict) -> jax.Array:
+        """Next-token logits [B, T, E] in fp32."""
+        c, dt = self.config, self.dtype
+        D, E = c.d_model, c.vocab_size
+        seg_BT = batch["segment_ids_BT"]
+        embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
+        x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
+                          ("batch", "seq", "act_embed"))
+        mask_BTT = two_way_mask(seg_BT, jnp.zeros(seg_BT.shape, bool))  # causal within each document
+        positions_3BT = jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape)
+        rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta)
+        block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt,
+                     qk_norm=c.qk_norm)
+        layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
+        layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(block=block, name="layers")
+        x_BTD, _ = layers(x_BTD, mask_BTT, rope)
+        h_BTD = RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD)
+        head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
+        logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
+        return constrain(logits_BTE, ("batch", "seq", "act_vocab"))
+
+
+def next_token_loss(logits_BTE, tokens_BT, seg_BT):
+    """Mean cross-entropy of each token's successor within the same (real) document."""
+    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
+    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
+    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) / jnp.maximum(jnp.sum(has_next_BT), 1)
+
+
+def loss_fn(model: Decoder, params, batch: dict, key) -> tuple[jax.Array, dict]:
+    del key  # no sampling in a language-model step
+    logits_BTE = model.apply({"params": params}, batch)
+    loss = next_token_loss(logits_BTE, batch["tokens_BT"], batch["segment_ids_BT"])
+    return loss, {"loss_text": loss}
+
+
+def forward_flops(c: DecoderConfig, n_tokens) -> np.ndarray:
+    """Forward model FLOPs of documents of `n_tokens`: weights, causal attention (half the
+    square), LM head."""
+    n = np.asarray(n_tokens, np.float64)
+    mlp = (3 if c.mlp_activation == "swiglu" else 2) * c.d_model * c.mlp_dim
+    weights = 2 * c.d_model * c.num_heads * c.head_dim + 2 * c.d_model * c.num_kv_heads * c.head_dim + mlp
+    return 2 * c.num_layers * weights * n + c.num_layers * 2 * c.num_heads * c.head_dim * n**2 + 2 * c.d_model * c.vocab_size * n
+
+
+def batch_train_flops(c: DecoderConfig, batch: dict[str, np.ndarray]) -> float:
+    seg = batch["segment_ids_BT"]
+    total = 0.0
+    for row in seg:
+        counts = np.bincount(row)[1:]
+        total += float(np.sum(3.0 * forward_flops(c, counts[counts > 0])))
+    return total
+
+
+register("llama-tiny", DecoderConfig, vocab_size=4096, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
+         mlp_dim=768, rope_theta=1e4)
+register("llama2-7b", DecoderConfig, vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+         mlp_dim=11008, rope_theta=1e4)
+register("llama3-8b", DecoderConfig, vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+         mlp_dim=14336)
+register("llama3-70b", DecoderConfig, vocab_size=128256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+         mlp_dim=28672)

@@ -1,0 +1,75 @@
+"""The generic decoder LLM: causality, document isolation, released sizes, FLOPs, sharding."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.data.synthetic_text import SyntheticText
+from xlaopt.mesh import MeshSpec
+from xlaopt.models.decoder import Decoder, forward_flops
+from xlaopt.models.registry import get_config
+from xlaopt.pipeline import pipeline, run_pipeline
+from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.step import param_count
+from xlaopt.verify import compare, one_step_grads
+
+from conftest import needs_devices
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = get_config("llama-tiny", {"num_layers": 2})
+    batch = SyntheticText(config, BatchShape(4, 64, 0), seed=1).batch(0)
+    model = Decoder(config)
+    params = jax.jit(model.init)(jax.random.key(0), jax.tree.map(jnp.asarray, batch))["params"]
+    apply = jax.jit(lambda p, b: model.apply({"params": p}, b))
+    return lambda b: np.asarray(apply(params, jax.tree.map(jnp.asarray, b))), batch
+
+
+def test_later_tokens_never_reach_earlier_logits(llama):
+    run, batch = llama
+    logits = run(batch)
+    later = {k: v.copy() for k, v in batch.items()}
+    later["tokens_BT"][:, 40:] = (later["tokens_BT"][:, 40:] + 11) % 4096
+    logits2 = run(later)
+    np.testing.assert_array_equal(logits2[:, :40], logits[:, :40])
+    assert np.abs(logits2[:, 40:] - logits[:, 40:]).max() > 1e-3
+
+
+def test_documents_are_isolated(llama):
+    run, batch = llama
+    seg = batch["segment_ids_BT"][0]
+    first = seg == 1
+    assert (seg == 2).any()
+    logits = run(batch)
+    changed = {k: v.copy() for k, v in batch.items()}
+    changed["tokens_BT"][0, first] = (changed["tokens_BT"][0, first] + 5) % 4096
+    logits2 = run(changed)
+    np.testing.assert_array_equal(logits2[0, ~first], logits[0, ~first])
+    np.testing.assert_array_equal(logits2[1:], logits[1:])
+
+
+@pytest.mark.parametrize("name, published", [("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9)])
+def test_released_llama_sizes(name, published):
+    assert abs(param_count(TrainProgram(get_config(name))) - published) / published < 0.01
+
+
+def test_decoder_flops_by_hand():
+    c = get_config("llama3-8b")
+    n = 8192
+    weights = 2 * 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 3 * 4096 * 14336
+    expected = 2 * 32 * weights * n + 32 * 2 * 32 * 128 * n**2 + 2 * 4096 * 128256 * n
+    assert forward_flops(c, n) == pytest.approx(expected)
+
+
+@needs_devices(8)
+def test_decoder_sharded_matches_single_device():
+    config = get_config("llama-tiny", {"num_layers": 2})
+    settings = TrainSettings(batch=BatchShape(8, 64, 0), compute_dtype="float32")
+    grads = []
+    for mesh in ("", "data=2,fsdp=2,tensor=2"):
+        program, _ = run_pipeline(TrainProgram(config, MeshSpec.parse(mesh), settings=settings), pipeline())
+        grads.append(one_step_grads(program))
+    result = compare(grads[1], grads[0], "float32")
+    assert result["ok"], result

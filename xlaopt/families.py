@@ -1,0 +1,44 @@
+"""Model families: what the training program needs to know about a kind of model.
+
+A family ties a config class (by its `family` name) to the module, its batch contract, its
+loss, its model-FLOPs counter and a synthetic producer. The program, the passes and the
+training loop go through this table only, so a new model is one more entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+
+from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec
+from xlaopt.data.synthetic_cosmos import SyntheticCosmos
+from xlaopt.data.synthetic_text import SyntheticText
+from xlaopt.models import cosmos3, decoder, flops, objective
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    module: Callable  # (config, dtype) -> flax module
+    batch_spec: Callable  # (config, BatchShape) -> {name: (shape, dtype, logical axes)}
+    loss: Callable  # (module, params, batch, key) -> (loss, metrics)
+    train_flops: Callable  # (config, host batch) -> model FLOPs of one training step
+    synthetic: Callable  # (config, BatchShape, seed) -> producer with .batch(i)
+    segment_keys: tuple[str, ...]  # batch arrays whose nonzero entries are real tokens
+    default_batch: BatchShape
+
+    def real_tokens(self, batch: dict[str, np.ndarray]) -> int:
+        return int(sum((batch[k] > 0).sum() for k in self.segment_keys))
+
+
+FAMILIES = {
+    "cosmos3": Family("cosmos3", cosmos3.Cosmos3, cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
+                      SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), BatchShape(8, 48, 96)),
+    "decoder": Family("decoder", decoder.Decoder, decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
+                      SyntheticText, ("segment_ids_BT",), BatchShape(8, 128, 0)),
+}
+
+
+def family_of(config: Any) -> Family:
+    return FAMILIES[config.family]
