@@ -10,23 +10,16 @@ import dataclasses
 from typing import ClassVar
 
 from xlaopt.models.registry import ConfigError, register
+from xlaopt.models.transformer_config import TransformerConfig
 
 # Released reasoners split 64 rotary frequencies as T:H:W = 24:20:20 (Qwen3-VL).
 _RELEASED_MROPE = (24, 20, 20)
 
 
 @dataclasses.dataclass(frozen=True)
-class Cosmos3Config:
+class Cosmos3Config(TransformerConfig):
     family: ClassVar[str] = "cosmos3"
-    name: str
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    mlp_dim: int
-    head_dim: int | None = None
-    mlp_activation: str = "swiglu"  # "swiglu" (Nano, Super) or "relu2" (Edge)
+    activations: ClassVar[tuple[str, ...]] = ("swiglu", "relu2")  # Nano, Super / Edge
     mrope_sections: tuple[int, int, int] | None = None
     rope_theta: float = 5e6
     temporal_margin: int = 15000
@@ -43,24 +36,9 @@ class Cosmos3Config:
     video_loss_weight: float = 1.0
     action_loss_weight: float = 10.0
     sound_loss_weight: float = 2.0
-    remat: bool = False  # recompute each layer in the backward pass
 
     def __post_init__(self):
-        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"{self.name}: {field}={getattr(self, field)} must be positive")
-        if self.head_dim is None:
-            if self.d_model % self.num_heads:
-                raise ConfigError(
-                    f"{self.name}: d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                    f"set head_dim explicitly or pick num_heads dividing {self.d_model}")
-            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        if self.head_dim % 2:
-            raise ConfigError(f"{self.name}: head_dim={self.head_dim} must be even (rotary pairs)")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} "
-                f"(grouped-query attention); pick num_kv_heads dividing {self.num_heads}")
+        super().__post_init__()
         if self.mrope_sections is None:
             object.__setattr__(self, "mrope_sections", derive_mrope_sections(self.head_dim))
         sections = tuple(int(s) for s in self.mrope_sections)
@@ -72,8 +50,6 @@ class Cosmos3Config:
         if sections[0] < max(sections[1], sections[2]):
             # Interleaving gives T every third frequency plus the tail; T must be the largest.
             raise ConfigError(f"{self.name}: mrope_sections={sections}: T must be >= H and W")
-        if self.mlp_activation not in ("swiglu", "relu2"):
-            raise ConfigError(f"{self.name}: mlp_activation={self.mlp_activation!r}; use 'swiglu' or 'relu2'")
 
     @property
     def latent_patch_dim(self) -> int:

@@ -18,43 +18,16 @@ from xlaopt.models.block import TransformerBlock
 from xlaopt.models.layers import RMSNorm, attention, constrain, embedding_lookup, param
 from xlaopt.models.masks import two_way_mask
 from xlaopt.models.mrope import rope_cos_sin
-from xlaopt.models.registry import ConfigError, register
+from xlaopt.models.registry import register
+from xlaopt.models.transformer_config import TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(TransformerConfig):
+    """MLP: "swiglu" (Llama), "gelu" (GPT, MPT) or "relu2"."""
     family: ClassVar[str] = "decoder"
-    name: str
-    vocab_size: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    mlp_dim: int
-    head_dim: int | None = None
-    mlp_activation: str = "swiglu"  # "swiglu" (Llama), "gelu" (GPT, MPT), "relu2"
     qk_norm: bool = False
-    rope_theta: float = 5e5
-    norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: bool = False
-
-    def __post_init__(self):
-        for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"{self.name}: {field}={getattr(self, field)} must be positive")
-        if self.head_dim is None:
-            if self.d_model % self.num_heads:
-                raise ConfigError(f"{self.name}: d_model={self.d_model} is not divisible by num_heads="
-                                  f"{self.num_heads}; set head_dim explicitly")
-            object.__setattr__(self, "head_dim", self.d_model // self.num_heads)
-        if self.head_dim % 2:
-            raise ConfigError(f"{self.name}: head_dim={self.head_dim} must be even (rotary pairs)")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"{self.name}: num_heads={self.num_heads} is not a multiple of "
-                              f"num_kv_heads={self.num_kv_heads}")
-        if self.mlp_activation not in ("swiglu", "gelu", "relu2"):
-            raise ConfigError(f"{self.name}: mlp_activation={self.mlp_activation!r}; use swiglu, gelu or relu2")
 
 
 class DecoderLayer(nn.Module):
