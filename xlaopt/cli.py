@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
+    data = sub.add_parser("data", help="sample stores on tensorstore").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("make", help="write a synthetic Cosmos-like sample store")
+    p.add_argument("dir")
+    p.add_argument("--model", default="cosmos3-tiny", help="the Cosmos 3 config whose latent widths to use")
+    p.add_argument("--samples", type=int, default=20_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-mb", type=float, default=64.0, help="approximate shard size")
+    p = data.add_parser("stats", help="a store's sample count, shards and length statistics")
+    p.add_argument("dir")
+    p.add_argument("--json", default=None, metavar="OUT")
     return parser
 
 
@@ -156,7 +166,35 @@ def _human(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "models": cmd_models, "passes": cmd_passes}
+def cmd_data(args) -> int:
+    import numpy as np
+
+    from xlaopt.data.store import SampleStore, StoreWriter
+
+    if args.data_command == "make":
+        from xlaopt.data.synthetic_cosmos import CosmosSamples
+
+        config = get_config(args.model)
+        if config.family != "cosmos3":
+            raise UserError(f"--model {args.model}: synthetic stores hold Cosmos 3 samples; pick a cosmos3-* model")
+        if args.samples < 1:
+            raise UserError(f"--samples {args.samples}: need at least one sample")
+        generator, rng = CosmosSamples(config, args.seed), np.random.default_rng(args.seed)
+        writer = StoreWriter(args.dir, generator.widths(), shard_bytes=int(args.shard_mb * 2**20))
+        manifest = writer.add_all(generator.draw(rng) for _ in range(args.samples)).close()
+    else:
+        manifest = SampleStore(args.dir).manifest
+        _write_json(args.json, manifest)
+    stats = manifest["stats"]
+    print(f"{args.dir}: {manifest['num_samples']} samples in {len(manifest['shards'])} shards; "
+          + ", ".join(f"{k} {v}" for k, v in stats["modalities"].items()))
+    for key in ("text_tokens", "gen_tokens", "tokens"):
+        q = stats[key]
+        print(f"  {key:<12} mean {q['mean']:.1f}  p50 {q['p50']:.0f}  p90 {q['p90']:.0f}  p99 {q['p99']:.0f}  max {q['max']}")
+    return 0
+
+
+_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "models": cmd_models, "passes": cmd_passes, "data": cmd_data}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,209 @@
+"""A sample store on tensorstore: jagged multimodal samples as flat zarr3 arrays plus offsets.
+
+Layout (open: tensorstore or zarr-python read it without xlaopt):
+
+    DIR/manifest.json                 format, widths, shards, length statistics
+    DIR/shard-00000/text              int32   [text tokens of the shard]
+    DIR/shard-00000/video             float32 [video tokens, video width]
+    DIR/shard-00000/action            float32 [action tokens, action width]
+    DIR/shard-00000/sound             float32 [sound tokens, sound width]
+    DIR/shard-00000/index             int64   [samples, 8]: text start, text end, latent start,
+                                      latent end (in the sample's modality array), modality,
+                                      domain, n_clean, and the grid packed as t*2^40 + h*2^20 + w
+
+Every array is one zarr3 file per shard (sharding codec) with crc32c-checked inner chunks,
+so a corrupted or truncated shard fails loudly, naming the file. The manifest is written
+last, via a temporary name and a rename: a store without one is incomplete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Iterable
+
+import numpy as np
+import tensorstore as ts
+
+from xlaopt.data.sample import MODALITY_NAMES, TEXT_ONLY, Sample, SampleError
+from xlaopt.errors import UserError
+from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
+
+FORMAT = "xlaopt-sample-store"
+VERSION = 1
+LATENT_ARRAYS = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
+_INNER_BYTES = 256 << 10  # inner chunk: a random sample read touches few of them
+_GRID_BITS = 20
+
+
+class StoreError(UserError):
+    pass
+
+
+def _array_spec(path: pathlib.Path, shape: tuple[int, ...], dtype: str) -> dict:
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+    inner = max(1, _INNER_BYTES // max(row_bytes, 1))
+    outer = max(inner, -(-max(shape[0], 1) // inner) * inner)  # a multiple of inner covering every row
+    crc = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": {"shape": list(shape), "data_type": dtype,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer, *shape[1:]]}},
+                         "codecs": [{"name": "sharding_indexed", "configuration": {
+                             "chunk_shape": [inner, *shape[1:]], "codecs": crc, "index_codecs": crc}}]},
+            "create": True, "delete_existing": True}
+
+
+class StoreWriter:
+    """Writes samples into shards of about `shard_bytes`; `close()` writes the manifest."""
+
+    def __init__(self, directory: str | os.PathLike, widths: dict[int, int], shard_bytes: int = 64 << 20):
+        self.dir = pathlib.Path(directory)
+        if (self.dir / "manifest.json").exists():
+            raise StoreError(f"{self.dir} already holds a sample store; pick an empty directory")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.widths, self.shard_bytes = dict(widths), shard_bytes
+        self._pending: list[Sample] = []
+        self._pending_bytes = 0
+        self._shards: list[dict] = []
+        self._lengths: list[tuple[int, int, int]] = []  # (modality, n_text, n_gen)
+
+    def add(self, sample: Sample) -> None:
+        where = f"sample {len(self._lengths)}"
+        sample.validate(where)
+        if sample.modality != TEXT_ONLY and sample.latents.shape[1] != self.widths[sample.modality]:
+            raise SampleError(f"{where}: {MODALITY_NAMES[sample.modality]} width {sample.latents.shape[1]}, "
+                              f"the store holds width {self.widths[sample.modality]}")
+        self._pending.append(sample)
+        self._pending_bytes += sample.text.nbytes + (0 if sample.latents is None else sample.latents.nbytes)
+        self._lengths.append((sample.modality, sample.n_text, sample.n_gen))
+        if self._pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def add_all(self, samples: Iterable[Sample]) -> "StoreWriter":
+        for s in samples:
+            self.add(s)
+        return self
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        name = f"shard-{len(self._shards):05d}"
+        path = self.dir / name
+        samples, self._pending, self._pending_bytes = self._pending, [], 0
+        index = np.zeros((len(samples), 8), np.int64)
+        text = np.concatenate([s.text for s in samples]).astype(np.int32)
+        latents = {m: [] for m in LATENT_ARRAYS}
+        t_pos, l_pos = 0, {m: 0 for m in LATENT_ARRAYS}
+        for i, s in enumerate(samples):
+            start = l_pos.get(s.modality, 0)
+            if s.modality != TEXT_ONLY:
+                latents[s.modality].append(s.latents.astype(np.float32))
+                l_pos[s.modality] += s.n_gen
+            t, h, w = s.grid
+            index[i] = (t_pos, t_pos + s.n_text, start, start + s.n_gen, s.modality, s.domain, s.n_clean,
+                        (t << 2 * _GRID_BITS) | (h << _GRID_BITS) | w)
+            t_pos += s.n_text
+        writes = [self._write(path / "text", text), self._write(path / "index", index)]
+        for m, array_name in LATENT_ARRAYS.items():
+            data = np.concatenate(latents[m]) if latents[m] else np.zeros((0, self.widths[m]), np.float32)
+            writes.append(self._write(path / array_name, data))
+        for w in writes:
+            w.result()
+        self._shards.append({"name": name, "num_samples": len(samples)})
+
+    @staticmethod
+    def _write(path: pathlib.Path, data: np.ndarray):
+        array = ts.open(_array_spec(path, data.shape, data.dtype.name)).result()
+        return array.write(data)
+
+    def close(self) -> dict:
+        self._flush()
+        if not self._shards:
+            raise StoreError(f"{self.dir}: no samples were written; an empty store is not a store")
+        manifest = {"format": FORMAT, "version": VERSION,
+                    "num_samples": sum(s["num_samples"] for s in self._shards),
+                    "widths": {MODALITY_NAMES[m]: w for m, w in self.widths.items()},
+                    "shards": self._shards, "stats": length_stats(np.asarray(self._lengths, np.int64))}
+        tmp = self.dir / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, self.dir / "manifest.json")
+        return manifest
+
+
+def length_stats(lengths: np.ndarray) -> dict:
+    """Per-sample token counts: quantiles of text, generator and total tokens, modality counts."""
+    def quantiles(x):
+        return {"mean": float(x.mean()), "p50": float(np.quantile(x, 0.5)), "p90": float(np.quantile(x, 0.9)),
+                "p99": float(np.quantile(x, 0.99)), "max": int(x.max())}
+    modality, n_text, n_gen = lengths.T
+    return {"text_tokens": quantiles(n_text), "gen_tokens": quantiles(n_gen), "tokens": quantiles(n_text + n_gen),
+            "modalities": {MODALITY_NAMES[m]: int((modality == m).sum()) for m in MODALITY_NAMES}}
+
+
+class SampleStore:
+    """Random access to the samples of a store directory."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = pathlib.Path(directory)
+        manifest_path = self.dir / "manifest.json"
+        if not self.dir.is_dir():
+            raise StoreError(f"sample store {self.dir} does not exist; make one with `xlaopt data make {self.dir}`")
+        if not manifest_path.is_file():
+            raise StoreError(f"{self.dir} has no manifest.json: not a sample store, or an interrupted write")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError as e:
+            raise StoreError(f"{manifest_path}: unreadable manifest ({e})") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise StoreError(f"{manifest_path}: format {self.manifest.get('format')!r} version "
+                             f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+        names = {v: k for k, v in MODALITY_NAMES.items()}
+        self.widths = {names[k]: int(v) for k, v in self.manifest["widths"].items()}
+        self._shards = []
+        starts = [0]
+        for shard in self.manifest["shards"]:
+            name = shard["name"]
+            if not name.startswith("shard-") or "/" in name or ".." in name:
+                raise StoreError(f"{manifest_path}: shard name {name!r} is not a shard of this directory")
+            self._shards.append(name)
+            starts.append(starts[-1] + int(shard["num_samples"]))
+        self._starts = np.asarray(starts)
+        self._arrays: dict[tuple[str, str], ts.TensorStore] = {}
+        self._index: dict[str, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _array(self, shard: str, name: str) -> ts.TensorStore:
+        key = (shard, name)
+        if key not in self._arrays:
+            path = self.dir / shard / name
+            if not (path / "zarr.json").is_file():
+                raise StoreError(f"sample store {self.dir}: array {shard}/{name} is missing")
+            self._arrays[key] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+        return self._arrays[key]
+
+    def _read(self, shard: str, name: str, start: int, stop: int) -> np.ndarray:
+        try:
+            return self._array(shard, name)[start:stop].read().result()
+        except ValueError as e:
+            raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+
+    def _shard_index(self, shard: str) -> np.ndarray:
+        if shard not in self._index:
+            self._index[shard] = self._read(shard, "index", 0, self._array(shard, "index").shape[0])
+        return self._index[shard]
+
+    def read(self, i: int) -> Sample:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
+        k = int(np.searchsorted(self._starts, i, side="right") - 1)
+        shard = self._shards[k]
+        t0, t1, l0, l1, modality, domain, n_clean, grid = (int(x) for x in self._shard_index(shard)[i - self._starts[k]])
+        mask = (1 << _GRID_BITS) - 1
+        grid_thw = (grid >> 2 * _GRID_BITS, (grid >> _GRID_BITS) & mask, grid & mask)
+        text = self._read(shard, "text", t0, t1)
+        latents = None if modality == TEXT_ONLY else self._read(shard, LATENT_ARRAYS[modality], l0, l1)
+        sample = Sample(text, modality, latents, grid_thw, domain, n_clean)
+        sample.validate(f"sample store {self.dir}: sample {i} ({shard})")
+        return sample
