@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model on synthetic data on a (simulated) device mesh")
     _program_args(p, "bfloat16")
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; without it, "
+                        "batches come from the in-memory synthetic stream")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
@@ -79,6 +82,17 @@ def _program_on_devices(args):
     mesh = MeshSpec.parse(args.mesh)
     config = get_config(args.model, parse_overrides(args.model, args.set))
     default = family_of(config).default_batch
+    if getattr(args, "data", None) is not None:
+        if config.family != "cosmos3":
+            raise UserError(f"--data: sample stores hold Cosmos 3 samples; {args.model} trains on synthetic text")
+        from xlaopt.data.loader import split_budget
+        from xlaopt.data.store import SampleStore
+
+        # A row's budget split in the ratio of the store's mean text and generator lengths.
+        stats = SampleStore(args.data).manifest["stats"]
+        text, gen = split_budget(default.text_len + default.gen_len, stats["text_tokens"]["mean"],
+                                 stats["gen_tokens"]["mean"])
+        default = BatchShape(default.batch_size, text, gen)
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
@@ -111,7 +125,7 @@ def cmd_train(args) -> int:
     from xlaopt.train import format_summary, train
 
     program, passes = _apply_pipeline(args, program, args.dump_hlo)
-    result = train(program, args.steps, progress=not args.no_progress)
+    result = train(program, args.steps, progress=not args.no_progress, data_dir=args.data)
     result["passes"] = passes
     print(format_summary(result))
     _write_json(args.json, result)

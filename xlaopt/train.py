@@ -9,7 +9,9 @@ import jax
 import numpy as np
 
 from xlaopt.compile import compile_program
+from xlaopt.data.loader import Loader
 from xlaopt.data.prefetch import prefetch
+from xlaopt.data.store import SampleStore
 from xlaopt.families import family_of
 from xlaopt.hardware import mesh_peak
 from xlaopt.progress import ProgressBar
@@ -23,8 +25,16 @@ def _host_batch(program: TrainProgram, data, index: int):
     return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
 
 
-def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
-    """Train for `steps` steps on synthetic data; returns the run's JSON-able summary.
+def _store_batches(program: TrainProgram, loader, steps: int):
+    family = family_of(program.model)
+    for _ in range(steps):
+        batch = next(loader)
+        yield batch, family.real_tokens(batch), family.train_flops(program.model, batch)
+
+
+def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None) -> dict:
+    """Train for `steps` steps on a sample store (`data_dir`, Cosmos 3) or on the family's
+    synthetic stream; returns the run's JSON-able summary.
 
     Per step, `data_wait_s` is the time blocked waiting for the next host batch and
     `step_time_s` the time from having it to the loss being on the host (transfer and
@@ -36,10 +46,15 @@ def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
     compile_s = time.perf_counter() - t0
     key = jax.random.key(program.settings.seed)
     state = compiled.init(jax.random.fold_in(key, 0))
-    data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
+    loader = None
+    if data_dir is not None:
+        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed)
+        batches = _store_batches(program, loader, steps)
+    else:
+        data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
+        batches = prefetch(lambda i: _host_batch(program, data, i), steps)
     bar = ProgressBar(steps) if progress else None
     records, flops, tokens = [], [], []
-    batches = prefetch(lambda i: _host_batch(program, data, i), steps)
     for step in range(steps):
         t_wait = time.perf_counter()
         batch, n_tokens, n_flops = next(batches)
@@ -52,9 +67,13 @@ def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
                         **{k: v for k, v in metrics.items() if k != "loss"}})
         flops.append(n_flops)
         tokens.append(n_tokens)
+        if loader is not None:
+            loader.size_window(t_end - t_step)
         if bar:
             bar.update(step + 1, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
 
+    if loader is not None:
+        loader.close()
     timed = records[1:] or records
     busy = sum(r["step_time_s"] + r["data_wait_s"] for r in timed)
     peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), program.settings.compute_dtype)
@@ -73,6 +92,9 @@ def train(program: TrainProgram, steps: int, progress: bool = True) -> dict:
         "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": sum(tokens[1:] or tokens) / busy,
         "data_wait_fraction": sum(r["data_wait_s"] for r in timed) / busy,
+        "padding_fraction": 1.0 - sum(tokens) / (len(tokens) * program.settings.batch.tokens),
+        "data": ({"store": str(data_dir), "prefetch_window": loader.prefetch, "state": loader.state().to_json()}
+                 if loader is not None else {"synthetic": family_of(program.model).name}),
         "model_flops_per_step": model_flops,
         "mfu": sum(flops[1:] or flops) / busy / peak.flops_per_s,
         "peak_flops_per_s": peak.flops_per_s,

@@ -194,6 +194,17 @@ class SampleStore:
             self._index[shard] = self._read(shard, "index", 0, self._array(shard, "index").shape[0])
         return self._index[shard]
 
+    def lengths(self) -> np.ndarray:
+        """[samples, 2] text and generator token counts, from the shard indexes alone."""
+        parts = []
+        for shard in self._shards:
+            index = self._shard_index(shard)
+            parts.append(np.stack([index[:, 1] - index[:, 0], index[:, 3] - index[:, 2]], axis=1))
+        return np.concatenate(parts)
+
+    def read_many(self, ids) -> list[Sample]:
+        return [self.read(int(i)) for i in ids]
+
     def read(self, i: int) -> Sample:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")

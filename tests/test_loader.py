@@ -1,0 +1,112 @@
+"""The store loader: every sample once per epoch, packed within budget, exact resume,
+also onto a different process count."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.data.loader import Loader, LoaderError, LoaderState, Planner, split_budget
+from xlaopt.data.store import SampleStore, StoreWriter
+from xlaopt.data.synthetic_cosmos import CosmosSamples
+
+SHAPE = BatchShape(4, 51, 93)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_config, tmp_path_factory):
+    gen, rng = CosmosSamples(tiny_config, 0), np.random.default_rng(2)
+    path = tmp_path_factory.mktemp("loader") / "store"
+    StoreWriter(path, gen.widths(), shard_bytes=128 << 10).add_all(gen.draw(rng) for _ in range(400)).close()
+    return SampleStore(path)
+
+
+def _plans(planner, state, n):
+    plans = []
+    for _ in range(n):
+        rows, state = planner.plan(state)
+        plans.append(rows)
+    return plans, state
+
+
+def test_no_sample_lost_or_repeated_and_rows_within_budget(store):
+    """Placed samples plus those still waiting are exactly the stream consumed so far."""
+    lengths = store.lengths()
+    planner = Planner(lengths, SHAPE, seed=0)
+    state, placed = LoaderState(), []
+    while state.epoch < 2:
+        rows, state = planner.plan(state)
+        for row in rows:
+            assert lengths[row, 0].sum() <= SHAPE.text_len and lengths[row, 1].sum() <= SHAPE.gen_len
+            placed.extend(row)
+    perms = [np.random.default_rng([0, e]).permutation(len(lengths)) for e in range(state.epoch + 1)]
+    stream = np.concatenate(perms[:-1] + [perms[-1][: state.cursor]])
+    assert sorted(placed + list(state.waiting)) == sorted(stream.tolist())
+    assert len(placed) > 2 * len(lengths) - 100  # and the waiting line stays short
+
+
+def test_resume_mid_epoch_gives_the_same_sequence(store, tiny_config):
+    uninterrupted = Loader(store, tiny_config, SHAPE, seed=5)
+    reference = [next(uninterrupted) for _ in range(8)]
+    uninterrupted.close()
+    first = Loader(store, tiny_config, SHAPE, seed=5)
+    for _ in range(3):
+        next(first)
+    saved = LoaderState.from_json(first.state().to_json())  # as it travels in a checkpoint
+    first.close()
+    resumed = Loader(store, tiny_config, SHAPE, seed=5, state=saved)
+    for k in range(3, 8):
+        batch = next(resumed)
+        for name in batch:
+            np.testing.assert_array_equal(batch[name], reference[k][name], err_msg=f"batch {k} {name}")
+    resumed.close()
+
+
+def test_two_processes_then_one(store, tiny_config):
+    single = Loader(store, tiny_config, SHAPE, seed=7)
+    reference = [next(single) for _ in range(6)]
+    single.close()
+    halves = [Loader(store, tiny_config, SHAPE, seed=7, process_index=p, process_count=2) for p in (0, 1)]
+    for k in range(3):
+        parts = [next(h) for h in halves]
+        for name in parts[0]:
+            axis = 1 if name.endswith(("_3BT", "_3BV")) else 0
+            np.testing.assert_array_equal(np.concatenate([p[name] for p in parts], axis=axis), reference[k][name])
+    assert halves[0].state() == halves[1].state()
+    state = halves[0].state()
+    for h in halves:
+        h.close()
+    one = Loader(store, tiny_config, SHAPE, seed=7, state=state)
+    for k in range(3, 6):
+        np.testing.assert_array_equal(next(one)["gen_x0_BVC"], reference[k]["gen_x0_BVC"])
+    one.close()
+
+
+def test_oversize_samples_error_or_counted_skip(store, tiny_config):
+    small = dataclasses.replace(SHAPE, gen_len=20)
+    with pytest.raises(LoaderError, match="more than a row holds"):
+        Planner(store.lengths(), small, seed=0)
+    planner = Planner(store.lengths(), small, seed=0, skip_oversize=True)
+    _, state = _plans(planner, LoaderState(), 5)
+    assert state.skipped > 0
+
+
+def test_budget_split_follows_the_lengths(store):
+    stats = store.manifest["stats"]
+    text, gen = split_budget(144, stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])
+    assert text + gen == 144 and abs(text / 144 - stats["text_tokens"]["mean"] / stats["tokens"]["mean"]) < 0.01
+
+
+def test_train_reads_the_store(store, tmp_path):
+    import json
+
+    from xlaopt.cli import main
+
+    out = tmp_path / "train.json"
+    rc = main(["train", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--mesh", "data=2", "--steps", "3",
+               "--data", str(store.dir), "--no-progress", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["data"]["store"] == str(store.dir) and result["data"]["state"]["batches"] == 3
+    stats = store.manifest["stats"]
+    assert result["batch"]["text_len"] == split_budget(144, stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])[0]
+    assert 0 <= result["padding_fraction"] < 0.25
