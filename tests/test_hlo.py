@@ -94,3 +94,20 @@ def test_groups_map_to_mesh_axes_and_link_levels(tiny_config):
             assert c.link_level == ("ib-400g" if "data" in c.mesh_axes else "nvlink4"), c
     fsdp_gathers = [c for c in colls if c.kind == "all-gather" and c.mesh_axes == ("fsdp",)]
     assert fsdp_gathers and all(len(g) == 2 for c in fsdp_gathers for g in c.replica_groups)
+
+
+@needs_devices(4)
+def test_tensor_parallel_all_reduces_one_activation_per_sharded_contraction(tiny_config):
+    """Megatron-style TP on `tensor=4`: every matmul contracting a tensor-sharded dimension
+    leaves partial sums that are all-reduced at activation size. Per tower and layer: the
+    O and MLP-down outputs in the forward (2), the input gradients of Q, K, V, gate and up in
+    the backward (5). (XLA all-reduces the Q/K/V and gate/up partials separately instead of
+    summing them locally first: three reductions a hand-written layer would save.)"""
+    program, text = _compiled(tiny_config, "tensor=4")
+    colls = collectives(text, program.mesh.as_dict())
+    assert {c.mesh_axes for c in colls} == {("tensor",)} and {c.kind for c in colls} == {"all-reduce"}
+    B, T, V, D = 8, program.settings.batch.text_len, program.settings.batch.gen_len, tiny_config.d_model
+    activations = {(B, T, D): 4 * B * T * D, (B, V, D): 4 * B * V * D}
+    in_scan = sum(activations[dims] * c.executions for c in colls if c.executions == tiny_config.num_layers
+                  for _, dims in c.shapes if dims in activations)
+    assert in_scan == tiny_config.num_layers * 7 * sum(activations.values())
