@@ -183,15 +183,10 @@ class SampleStore:
             self._arrays[key] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
         return self._arrays[key]
 
-    def _read(self, shard: str, name: str, start: int, stop: int) -> np.ndarray:
-        try:
-            return self._array(shard, name)[start:stop].read().result()
-        except ValueError as e:
-            raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
-
     def _shard_index(self, shard: str) -> np.ndarray:
         if shard not in self._index:
-            self._index[shard] = self._read(shard, "index", 0, self._array(shard, "index").shape[0])
+            n = self._array(shard, "index").shape[0]
+            self._index[shard] = self._finish_read(self._start_read(shard, "index", 0, n))
         return self._index[shard]
 
     def lengths(self) -> np.ndarray:
@@ -202,19 +197,37 @@ class SampleStore:
             parts.append(np.stack([index[:, 1] - index[:, 0], index[:, 3] - index[:, 2]], axis=1))
         return np.concatenate(parts)
 
-    def read_many(self, ids) -> list[Sample]:
-        return [self.read(int(i)) for i in ids]
-
     def read(self, i: int) -> Sample:
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
-        k = int(np.searchsorted(self._starts, i, side="right") - 1)
-        shard = self._shards[k]
-        t0, t1, l0, l1, modality, domain, n_clean, grid = (int(x) for x in self._shard_index(shard)[i - self._starts[k]])
-        mask = (1 << _GRID_BITS) - 1
-        grid_thw = (grid >> 2 * _GRID_BITS, (grid >> _GRID_BITS) & mask, grid & mask)
-        text = self._read(shard, "text", t0, t1)
-        latents = None if modality == TEXT_ONLY else self._read(shard, LATENT_ARRAYS[modality], l0, l1)
-        sample = Sample(text, modality, latents, grid_thw, domain, n_clean)
-        sample.validate(f"sample store {self.dir}: sample {i} ({shard})")
-        return sample
+        return self.read_many([i])[0]
+
+    def read_many(self, ids) -> list[Sample]:
+        """Samples `ids`, their reads issued together so tensorstore overlaps them."""
+        pending = []
+        for i in (int(i) for i in ids):
+            if not 0 <= i < len(self):
+                raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
+            k = int(np.searchsorted(self._starts, i, side="right") - 1)
+            shard = self._shards[k]
+            t0, t1, l0, l1, modality, domain, n_clean, grid = (int(x) for x in self._shard_index(shard)[i - self._starts[k]])
+            mask = (1 << _GRID_BITS) - 1
+            grid_thw = (grid >> 2 * _GRID_BITS, (grid >> _GRID_BITS) & mask, grid & mask)
+            text = self._start_read(shard, "text", t0, t1)
+            latents = None if modality == TEXT_ONLY else self._start_read(shard, LATENT_ARRAYS[modality], l0, l1)
+            pending.append((i, shard, text, latents, modality, grid_thw, domain, n_clean))
+        samples = []
+        for i, shard, text, latents, modality, grid_thw, domain, n_clean in pending:
+            sample = Sample(self._finish_read(text), modality, None if latents is None else self._finish_read(latents),
+                            grid_thw, domain, n_clean)
+            sample.validate(f"sample store {self.dir}: sample {i} ({shard})")
+            samples.append(sample)
+        return samples
+
+    def _start_read(self, shard: str, name: str, start: int, stop: int):
+        return shard, name, self._array(shard, name)[start:stop].read()
+
+    def _finish_read(self, pending) -> np.ndarray:
+        shard, name, future = pending
+        try:
+            return future.result()
+        except ValueError as e:
+            raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
