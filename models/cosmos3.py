@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import RMSNorm, attention, constrain, embedding_lookup, param
-from xlaopt.models.masks import two_way_mask
+from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, param
+from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 
 PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
@@ -35,9 +35,10 @@ MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
     tower: dict  # TransformerBlock fields, identical for both towers
+    attention_block: int = 0
 
     @nn.compact
-    def __call__(self, carry, mask_TT, mask_VS, rope_T, rope_V):
+    def __call__(self, carry, tokens_S, rope_T, rope_V):
         x_BTD, x_BVD = carry
         reasoner = TransformerBlock(name="reasoner", **self.tower)
         generator = TransformerBlock(name="generator", **self.tower)
@@ -45,8 +46,10 @@ class MoTLayer(nn.Module):
         q_BVHK, k_BVNK, v_BVNK = generator.qkv(x_BVD, *rope_V)
         k_BSNK = jnp.concatenate([k_BTNK, k_BVNK], axis=1)
         v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
-        attn_BTHK = attention(q_BTHK, k_BTNK, v_BTNK, mask_TT)
-        attn_BVHK = attention(q_BVHK, k_BSNK, v_BSNK, mask_VS)
+        T = x_BTD.shape[1]
+        tokens_T, tokens_V = tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1])
+        attn_BTHK = attend(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T, self.attention_block)
+        attn_BVHK = attend(q_BVHK, k_BSNK, v_BSNK, tokens_V, tokens_S, self.attention_block)
         return (reasoner.finish(x_BTD, attn_BTHK), generator.finish(x_BVD, attn_BVHK)), None
 
 
@@ -153,16 +156,17 @@ class Cosmos3(nn.Module):
 
         segment_BS = jnp.concatenate([text_seg_BT, gen_seg_BV], axis=1)
         is_gen_BS = jnp.concatenate([jnp.zeros((B, T), bool), jnp.ones((B, V), bool)], axis=1)
-        mask_BSS = two_way_mask(segment_BS, is_gen_BS)
+        tokens_S = Tokens.of(segment_BS, is_gen_BS)
         rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta)
 
         tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt)
         layer_cls = nn.remat(MoTLayer, prevent_cse=False) if c.remat else MoTLayer
         layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast,) * 4, length=c.num_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(tower=tower, name="layers")
-        (x_BTD, x_BVD), _ = layers((x_BTD, x_BVD), mask_BSS[:, :T, :T], mask_BSS[:, T:, :],
+                         in_axes=(nn.broadcast,) * 3, length=c.num_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})(
+            tower=tower, attention_block=c.attention_block, name="layers")
+        (x_BTD, x_BVD), _ = layers((x_BTD, x_BVD), tokens_S,
                                    rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD)

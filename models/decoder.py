@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, attention, constrain, embedding_lookup, param
-from xlaopt.models.masks import two_way_mask
+from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, param
+from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.registry import register
 from xlaopt.models.transformer_config import TransformerConfig
@@ -32,12 +32,13 @@ class DecoderConfig(TransformerConfig):
 
 class DecoderLayer(nn.Module):
     block: dict
+    attention_block: int = 0
 
     @nn.compact
-    def __call__(self, x_BTD, mask_BTT, rope):
+    def __call__(self, x_BTD, tokens_T, rope):
         block = TransformerBlock(name="block", **self.block)
         q_BTHK, k_BTNK, v_BTNK = block.qkv(x_BTD, *rope)
-        return block.finish(x_BTD, attention(q_BTHK, k_BTNK, v_BTNK, mask_BTT)), None
+        return block.finish(x_BTD, attend(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T, self.attention_block)), None
 
 
 class Decoder(nn.Module):
@@ -53,7 +54,7 @@ class Decoder(nn.Module):
         embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
         x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
                           ("batch", "seq", "act_embed"))
-        mask_BTT = two_way_mask(seg_BT, jnp.zeros(seg_BT.shape, bool))  # causal within each document
+        tokens_T = Tokens.of(seg_BT, jnp.zeros(seg_BT.shape, bool))  # causal within each document
         positions_3BT = jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape)
         rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta)
         block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -62,8 +63,9 @@ class Decoder(nn.Module):
         layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
         layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(block=block, name="layers")
-        x_BTD, _ = layers(x_BTD, mask_BTT, rope)
+                         metadata_params={nn.PARTITION_NAME: "layers"})(
+            block=block, attention_block=c.attention_block, name="layers")
+        x_BTD, _ = layers(x_BTD, tokens_T, rope)
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD)
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)

@@ -3,20 +3,41 @@
 Each sample is a causal reasoner split (text) and one full generator split. Reasoner
 queries see their own sample's reasoner tokens causally; generator queries see every
 token of their own sample; nothing crosses samples. Segment id 0 is padding, which
-behaves as one more lone causal split (it only ever sees padding).
+behaves as one more lone causal split (it only ever sees padding). A decoder LLM is the
+special case with no generator tokens: causal within each packed document.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 
+class Tokens(NamedTuple):
+    """What the mask needs to know of each token: sample, tower, and order."""
+    segment_BL: jax.Array
+    is_generator_BL: jax.Array
+    index_BL: jax.Array
+
+    @classmethod
+    def of(cls, segment_BL, is_generator_BL) -> "Tokens":
+        index = jnp.broadcast_to(jnp.arange(segment_BL.shape[1]), segment_BL.shape)
+        return cls(segment_BL, is_generator_BL, index)
+
+    def slice(self, start: int, stop: int) -> "Tokens":
+        return Tokens(*(a[:, start:stop] for a in self))
+
+
+def pair_mask(q: Tokens, k: Tokens) -> jax.Array:
+    """[B, L, S] boolean mask (True = may attend) of queries q over keys k."""
+    same_sample = q.segment_BL[:, :, None] == k.segment_BL[:, None, :]
+    q_gen = q.is_generator_BL[:, :, None]
+    reasoner_sees = ~q_gen & ~k.is_generator_BL[:, None, :] & (q.index_BL[:, :, None] >= k.index_BL[:, None, :])
+    return same_sample & (q_gen | reasoner_sees)
+
+
 def two_way_mask(segment_ids_BS: jax.Array, is_generator_BS: jax.Array) -> jax.Array:
-    """[B, S, S] boolean mask (query, key) for tokens in any order; causality follows index order."""
-    S = segment_ids_BS.shape[1]
-    same_sample_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
-    q_gen_BS1 = is_generator_BS[:, :, None]
-    k_gen_B1S = is_generator_BS[:, None, :]
-    causal_SS = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
-    reasoner_sees_BSS = ~q_gen_BS1 & ~k_gen_B1S & causal_SS[None]
-    return same_sample_BSS & (q_gen_BS1 | reasoner_sees_BSS)
+    """[B, S, S] mask of a packed sequence over itself; causality follows index order."""
+    tokens = Tokens.of(segment_ids_BS, is_generator_BS)
+    return pair_mask(tokens, tokens)
