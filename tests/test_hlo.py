@@ -111,3 +111,22 @@ def test_tensor_parallel_all_reduces_one_activation_per_sharded_contraction(tiny
     in_scan = sum(activations[dims] * c.executions for c in colls if c.executions == tiny_config.num_layers
                   for _, dims in c.shapes if dims in activations)
     assert in_scan == tiny_config.num_layers * 7 * sum(activations.values())
+
+
+@needs_devices(8)
+def test_cli_inspect_reports_collectives_by_axis_and_link(tmp_path, capsys):
+    import json
+
+    from xlaopt.cli import main
+
+    out = tmp_path / "inspect.json"
+    rc = main(["inspect", "--model", "llama-tiny", "--set", "num_layers=2", "--mesh", "data=2,fsdp=4",
+               "--topology", "h100:2x4", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["topology"] == "h100:2x4"
+    levels = {(g["mesh_axes"], g["link_level"]) for g in report["collective_groups"]}
+    assert ("fsdp", "nvlink4") in levels  # fsdp groups stay inside a node of four
+    assert all(level == "ib-400g" for axes, level in levels if "data" in axes)
+    assert report["memory_per_device_bytes"]["arguments"] > 0 and report["comm_by_axis"]["fsdp"] > 0
+    assert "all-gather" in capsys.readouterr().out
+    assert main(["inspect", "--model", "llama-tiny", "--mesh", "data=8", "--topology", "h100:1x4"]) == 2

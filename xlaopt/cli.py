@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
+    p = sub.add_parser("inspect", help="compile one step and list its collectives and memory (nothing runs)")
+    _program_args(p, "bfloat16")
+    p.add_argument("--topology", default=None, help="map collectives to link levels, e.g. h100:2x4 or a TOML/JSON file")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -148,6 +151,25 @@ def cmd_verify(args) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_inspect(args) -> int:
+    topology = None
+    if args.topology:
+        from xlaopt.topology import parse_topology
+
+        topology = parse_topology(args.topology)
+    program = _program_on_devices(args)
+    if topology is not None and program.mesh.num_devices > topology.num_devices:
+        raise UserError(f"mesh {program.mesh} needs {program.mesh.num_devices} devices; topology "
+                        f"{topology.name} has {topology.num_devices}")
+    from xlaopt.inspect import format_report, inspect_program
+
+    program, passes = _apply_pipeline(args, program, args.dump_hlo)
+    report = inspect_program(program, topology)
+    print(format_report(report))
+    _write_json(args.json, dict(report, passes=passes))
+    return 0
+
+
 def cmd_models(args) -> int:
     from xlaopt.program import TrainProgram
     from xlaopt.step import param_count
@@ -208,7 +230,8 @@ def cmd_data(args) -> int:
     return 0
 
 
-_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "models": cmd_models, "passes": cmd_passes, "data": cmd_data}
+_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
+             "passes": cmd_passes, "data": cmd_data}
 
 if __name__ == "__main__":
     sys.exit(main())
