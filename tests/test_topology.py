@@ -58,3 +58,11 @@ def test_missing_field_is_named(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(TopologyError, match=r"missing field levels\[1\].latency_s"):
         parse_topology(str(path))
+
+
+def test_gpu_device_kinds_find_their_datasheet_peak():
+    from xlaopt.topology import device_for_kind
+
+    assert device_for_kind("NVIDIA H100 80GB HBM3").peak_flops["bfloat16"] == 989e12
+    assert device_for_kind("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"
+    assert device_for_kind("cpu") is None

@@ -161,7 +161,7 @@ def cmd_inspect(args) -> int:
     if topology is not None and program.mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {program.mesh} needs {program.mesh.num_devices} devices; topology "
                         f"{topology.name} has {topology.num_devices}")
-    from xlaopt.inspect import format_report, inspect_program
+    from xlaopt.inspection import format_report, inspect_program
 
     program, passes = _apply_pipeline(args, program, args.dump_hlo)
     report = inspect_program(program, topology)

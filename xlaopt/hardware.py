@@ -1,23 +1,16 @@
 """Peak FLOP/s of the device a program ran on, for MFU.
 
-GPUs use their published dense peak. A CPU has no useful datasheet figure for XLA's
-code, so its peak is measured: the best of several large matmuls in the compute dtype on
-one device, which XLA spreads over all host cores. Simulated CPU devices share those
-cores, so a CPU mesh's peak is the host's, however many devices it simulates.
+GPUs use their published dense peak (the topology presets, with their sources). A CPU has
+no useful datasheet figure for XLA's code, so its peak is measured: the best of several
+large matmuls in the compute dtype on one device, which XLA spreads over all host cores.
+Simulated CPU devices share those cores, so a CPU mesh's peak is the host's, however many
+devices it simulates.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import time
-
-# Dense (no sparsity) peaks from the vendors' datasheets, FLOP/s.
-GPU_PEAKS = {
-    "H100": {"bfloat16": 989e12, "float32": 67e12},  # NVIDIA H100 SXM datasheet
-    "H200": {"bfloat16": 989e12, "float32": 67e12},  # NVIDIA H200 SXM datasheet
-    "A100": {"bfloat16": 312e12, "float32": 19.5e12},  # NVIDIA A100 SXM datasheet
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
@@ -32,10 +25,13 @@ def mesh_peak(devices, dtype: str) -> Peak:
         per_host = measure_cpu_matmul_peak(dtype)
         return Peak(per_host, f"measured {dtype} matmul peak of the host CPU ({per_host / 1e9:.1f} GFLOP/s), "
                               f"shared by {len(devices)} simulated devices")
-    for name, peaks in GPU_PEAKS.items():
-        if name in kind:
-            return Peak(peaks[dtype] * len(devices), f"{name} datasheet {dtype} dense peak x {len(devices)} devices")
-    raise ValueError(f"no peak FLOP/s known for device kind {kind!r}; add it to GPU_PEAKS")
+    from xlaopt.topology import device_for_kind
+
+    device = device_for_kind(kind)
+    if device is None or dtype not in device.peak_flops:
+        raise ValueError(f"no {dtype} peak FLOP/s known for device kind {kind!r}; add it to xlaopt/topology.py")
+    return Peak(device.peak_flops[dtype] * len(devices),
+                f"{device.name} datasheet {dtype} dense peak x {len(devices)} devices")
 
 
 @functools.lru_cache(maxsize=4)

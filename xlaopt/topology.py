@@ -91,6 +91,14 @@ _DEFAULT_SHAPE = {"h100": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 7
 PRESETS = tuple(_DEVICES) + ("cpu",)
 
 
+def device_for_kind(kind: str) -> Device | None:
+    """The preset device whose name a JAX `device_kind` (e.g. "NVIDIA H100 80GB HBM3") names."""
+    for key, device in _DEVICES.items():
+        if key in kind.lower():
+            return device
+    return None
+
+
 def preset(name: str, nodes: int | None = None, devices_per_node: int | None = None) -> Topology:
     if name == "cpu":
         return cpu_simulation(devices_per_node or 8)
