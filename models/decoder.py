@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, param
+from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, next_token_loss, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.registry import register
@@ -70,14 +70,6 @@ class Decoder(nn.Module):
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
         return constrain(logits_BTE, ("batch", "seq", "act_vocab"))
-
-
-def next_token_loss(logits_BTE, tokens_BT, seg_BT):
-    """Mean cross-entropy of each token's successor within the same (real) document."""
-    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
-    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
-    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) / jnp.maximum(jnp.sum(has_next_BT), 1)
 
 
 def loss_fn(model: Decoder, params, batch: dict, key) -> tuple[jax.Array, dict]:

@@ -64,6 +64,15 @@ def embedding_lookup(table_XD: jax.Array, ids, row_axis: str) -> jax.Array:
     return jnp.take(table_XD, ids, axis=0)
 
 
+def next_token_loss(logits_BTE: jax.Array, tokens_BT: jax.Array, seg_BT: jax.Array) -> jax.Array:
+    """Mean cross-entropy of each token's successor, where the successor belongs to the same
+    (real, non-padding) sample."""
+    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
+    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
+    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) / jnp.maximum(jnp.sum(has_next_BT), 1)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)

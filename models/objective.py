@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
+from xlaopt.models.layers import next_token_loss
 
 
 def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -29,12 +30,7 @@ def loss_fn(model: Cosmos3, params, batch: dict, key: jax.Array) -> tuple[jax.Ar
     x_t_BVC, target_BVC = noised_inputs(batch, noise_BVC)
     logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
 
-    tokens_BT, seg_BT = batch["text_tokens_BT"], batch["text_segment_ids_BT"]
-    # Next-token targets exist where the following token belongs to the same (real) sample.
-    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
-    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
-    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
-    losses = {"text": _masked_mean(nll_BT, has_next_BT)}
+    losses = {"text": next_token_loss(logits_BTE, batch["text_tokens_BT"], batch["text_segment_ids_BT"])}
 
     sq_err_BVC = jnp.square(pred_BVC - target_BVC)
     channel_dims = {VIDEO: c.latent_patch_dim, ACTION: c.action_dim, SOUND: c.sound_dim}

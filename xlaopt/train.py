@@ -19,17 +19,10 @@ from xlaopt.program import TrainProgram
 from xlaopt.step import param_count
 
 
-def _host_batch(program: TrainProgram, data, index: int):
+def _counted(program: TrainProgram, batch: dict):
+    """A host batch with its real (non-padding) tokens and model FLOPs."""
     family = family_of(program.model)
-    batch = data.batch(index)
     return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
-
-
-def _store_batches(program: TrainProgram, loader, steps: int):
-    family = family_of(program.model)
-    for _ in range(steps):
-        batch = next(loader)
-        yield batch, family.real_tokens(batch), family.train_flops(program.model, batch)
 
 
 def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None) -> dict:
@@ -49,10 +42,10 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     loader = None
     if data_dir is not None:
         loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed)
-        batches = _store_batches(program, loader, steps)
+        batches = (_counted(program, next(loader)) for _ in range(steps))
     else:
         data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
-        batches = prefetch(lambda i: _host_batch(program, data, i), steps)
+        batches = prefetch(lambda i: _counted(program, data.batch(i)), steps)
     bar = ProgressBar(steps) if progress else None
     records, flops, tokens = [], [], []
     for step in range(steps):
