@@ -28,6 +28,7 @@ import tensorstore as ts
 from xlaopt.data.sample import MODALITY_NAMES, TEXT_ONLY, Sample, SampleError
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
+from xlaopt.zarr3 import array_spec, open_spec
 
 FORMAT = "xlaopt-sample-store"
 VERSION = 1
@@ -44,13 +45,7 @@ def _array_spec(path: pathlib.Path, shape: tuple[int, ...], dtype: str) -> dict:
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
     inner = max(1, _INNER_BYTES // max(row_bytes, 1))
     outer = max(inner, -(-max(shape[0], 1) // inner) * inner)  # a multiple of inner covering every row
-    crc = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
-            "metadata": {"shape": list(shape), "data_type": dtype,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [outer, *shape[1:]]}},
-                         "codecs": [{"name": "sharding_indexed", "configuration": {
-                             "chunk_shape": [inner, *shape[1:]], "codecs": crc, "index_codecs": crc}}]},
-            "create": True, "delete_existing": True}
+    return array_spec(path, shape, dtype, outer=[outer, *shape[1:]], inner=[inner, *shape[1:]])
 
 
 class StoreWriter:
@@ -180,7 +175,7 @@ class SampleStore:
             path = self.dir / shard / name
             if not (path / "zarr.json").is_file():
                 raise StoreError(f"sample store {self.dir}: array {shard}/{name} is missing")
-            self._arrays[key] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+            self._arrays[key] = ts.open(open_spec(path)).result()
         return self._arrays[key]
 
     def _shard_index(self, shard: str) -> np.ndarray:

@@ -1,0 +1,37 @@
+"""zarr3 array specs for tensorstore: one file per outer chunk, crc32c-checked inner chunks.
+
+Both the sample store and checkpoints use this layout, so plain tensorstore or zarr-python
+read them without xlaopt, and a flipped bit or a truncated file fails loudly, naming the file.
+"""
+from __future__ import annotations
+
+import os
+
+_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+
+
+def array_spec(path: str | os.PathLike, shape, dtype: str, outer=None, inner=None, create: bool = True) -> dict:
+    """A zarr3 spec. `outer` is the chunk grid (one file per chunk); `inner` subdivides each
+    file into checksummed chunks that are read independently. Rank-0 arrays are one plain chunk."""
+    shape = [int(d) for d in shape]
+    if shape:
+        outer = [int(d) for d in (outer or shape)]
+        inner = [int(d) for d in (inner or outer)]
+        codecs = [{"name": "sharding_indexed",
+                   "configuration": {"chunk_shape": inner, "codecs": _CRC, "index_codecs": _CRC}}]
+    else:
+        outer, codecs = [], _CRC
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": {"shape": shape, "data_type": dtype,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": outer}},
+                         "codecs": codecs},
+            # Write every chunk, zeros included: a missing file must mean damage, not zeros.
+            "store_data_equal_to_fill_value": True}
+    if create:
+        spec.update(create=True, delete_existing=True)
+    return spec
+
+
+def open_spec(path: str | os.PathLike) -> dict:
+    """The spec that opens an existing array (its metadata comes from its zarr.json)."""
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}, "open": True}
