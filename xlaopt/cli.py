@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; without it, "
                         "batches come from the in-memory synthetic stream")
+    p.add_argument("--ckpt", default=None, metavar="DIR", help="save checkpoints (state and data position) here")
+    p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
+                   help="save every K steps (default: only after the last step)")
+    p.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N checkpoints (default 3)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt DIR, or start fresh when there is none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
@@ -62,6 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-mb", type=float, default=64.0, help="approximate shard size")
     p = data.add_parser("stats", help="a store's sample count, shards and length statistics")
     p.add_argument("dir")
+    p.add_argument("--json", default=None, metavar="OUT")
+    p = sub.add_parser("calibrate", help="price published training runs with the cost model; per-row and "
+                                         "leave-one-out errors")
+    p.add_argument("--runs", required=True, metavar="CSV", help="published runs (schema: shared/calibration/README.md)")
+    p.add_argument("--json", default=None, metavar="OUT")
+    ckpt = sub.add_parser("ckpt", help="checkpoint directories").add_subparsers(dest="ckpt_command", required=True)
+    p = ckpt.add_parser("ls", help="committed steps with sizes, and debris of interrupted saves")
+    p.add_argument("dir")
+    p.add_argument("--json", default=None, metavar="OUT")
+    p = ckpt.add_parser("verify", help="check every file and chunk checksum; exits 1 on any fault")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int, default=None, help="only this step (default: all)")
+    p.add_argument("--json", default=None, metavar="OUT")
+    p = ckpt.add_parser("inspect", help="a step's manifest: leaves, shapes, dtypes, shardings, run metadata")
+    p.add_argument("dir")
+    p.add_argument("--step", type=int, default=None, help="default: the newest")
+    p.add_argument("--json", default=None, metavar="OUT")
+    bench = sub.add_parser("bench", help="benchmarks against the anchors").add_subparsers(dest="bench_command",
+                                                                                         required=True)
+    p = bench.add_parser("checkpoint", help="disk vs xlaopt vs Orbax: save and cold restore of one sharded tree")
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians are reported")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices the tree is sharded over")
+    p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: /tmp)")
     p.add_argument("--json", default=None, metavar="OUT")
     return parser
 
@@ -127,10 +157,19 @@ def cmd_train(args) -> int:
     program = _program_on_devices(args)
     from xlaopt.train import format_summary, train
 
+    ckpt = None
+    if args.ckpt is not None:
+        if args.ckpt_every is not None and args.ckpt_every < 1:
+            raise UserError(f"--ckpt-every {args.ckpt_every}: must be a positive number of steps")
+        from xlaopt.train import CheckpointOptions
+
+        ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep)
+    elif args.resume or args.ckpt_every is not None:
+        raise UserError("--resume and --ckpt-every need --ckpt DIR")
     program, passes = _apply_pipeline(args, program, args.dump_hlo)
-    result = train(program, args.steps, progress=not args.no_progress, data_dir=args.data)
+    result = train(program, args.steps, progress=not args.no_progress, data_dir=args.data, ckpt=ckpt)
     result["passes"] = passes
-    print(format_summary(result))
+    print(result["message"] if not result["steps"] else format_summary(result))
     _write_json(args.json, result)
     return 0
 
@@ -230,8 +269,62 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from xlaopt.calibrate import format_table, main_calibrate
+
+    print(format_table(main_calibrate(args.runs, args.json)))
+    return 0
+
+
+def cmd_ckpt(args) -> int:
+    from xlaopt.checkpoint import catalog
+
+    if args.ckpt_command == "ls":
+        result = catalog.listing(args.dir)
+        print(f"{'step':>10} {'size':>10} {'leaves':>7} {'files':>6} {'procs':>5}")
+        for r in result["steps"]:
+            print(f"{r['step']:>10} {r['bytes'] / 1e6:>8.1f}MB {r['leaves']:>7} {r['files']:>6} {r['process_count']:>5}")
+        if result["debris"]:
+            print(f"interrupted saves (removed at the next training start): {', '.join(result['debris'])}")
+        code = 0
+    elif args.ckpt_command == "verify":
+        result = catalog.verify(args.dir, args.step)
+        for step, faults in result["steps"].items():
+            print(f"step {step}: " + ("ok" if not faults else f"{len(faults)} fault(s)"))
+            for fault in faults:
+                print(f"  {fault}")
+        code = 0 if result["ok"] else 1
+    else:
+        result = catalog.describe(args.dir, args.step)
+        print(f"step {result['step']}: {len(result['leaves'])} leaves, {sum(result['files'].values()) / 1e6:.1f} MB "
+              f"in {len(result['files'])} files, saved by {result['process_count']} process(es)")
+        for leaf in result["leaves"]:
+            sharding = leaf["sharding"]
+            where = f"  {sharding['spec']} on {sharding['mesh']}" if sharding else ""
+            print(f"  {leaf['name']:<56} {leaf['dtype']:>8} {str(leaf['shape']):<16}{where}")
+        meta = result["meta"]
+        if meta.get("model"):
+            print(f"model {meta['model']}, seed {meta.get('seed')}, data position {meta.get('data')}")
+        code = 0
+    _write_json(args.json, result)
+    return code
+
+
+def cmd_bench(args) -> int:
+    if args.devices < 1:
+        raise UserError(f"--devices {args.devices}: need at least one device")
+    request_cpu_devices(args.devices)
+    from xlaopt.benchmarks import checkpoint
+
+    result = checkpoint.run(args.size_gb, args.repeats, args.dir, progress=print)
+    print(checkpoint.format_table(result))
+    _write_json(args.json, result)
+    return 0
+
+
 _COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
-             "passes": cmd_passes, "data": cmd_data}
+             "passes": cmd_passes, "data": cmd_data, "ckpt": cmd_ckpt, "bench": cmd_bench,
+             "calibrate": cmd_calibrate}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,7 +32,8 @@ class CompiledProgram:
         self.state_shardings = jax.tree.map(named, state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.batch_shardings = {k: named(v) for k, v in batch_specs.items()}
         key_sh = named(PartitionSpec())
-        self._abstract_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+        # The state's shapes, dtypes and shardings: what a checkpoint restores onto.
+        self.abstract_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                             abstract, self.state_shardings)
         self._abstract_batch = {k: jax.ShapeDtypeStruct(s, d, sharding=self.batch_shardings[k])
                                 for k, (s, d, _) in spec.items()}
@@ -52,7 +53,7 @@ class CompiledProgram:
     def lowered(self):
         """The train step lowered to StableHLO."""
         with _tracing_context(self.program, self.mesh):
-            return self._train_jit.lower(self._abstract_state, self._abstract_batch, self._abstract_key)
+            return self._train_jit.lower(self.abstract_state, self._abstract_batch, self._abstract_key)
 
     @functools.cached_property
     def train_step(self):
@@ -64,7 +65,7 @@ class CompiledProgram:
     def grads(self):
         """Compiled (params, batch, key) -> (loss, metrics, grads)."""
         with _tracing_context(self.program, self.mesh):
-            lowered = self._grads_jit.lower(self._abstract_state.params, self._abstract_batch, self._abstract_key)
+            lowered = self._grads_jit.lower(self.abstract_state.params, self._abstract_batch, self._abstract_key)
         return self._compile(lowered)
 
     @functools.cached_property

@@ -77,6 +77,12 @@ _DEVICES = {
                                 "float32": 67 * _TFLOPs}, 141e9, 4.8e12),
     "a100": Device("A100 SXM 80GB", {"bfloat16": 312 * _TFLOPs, "float16": 312 * _TFLOPs,
                                      "float32": 19.5 * _TFLOPs}, 80e9, 2.039e12),
+    # H100 96 GB HBM2e at its default 500 W limit (Meta Grand Teton, the TorchTitan benchmarks):
+    # 96 GB and 2.4 TB/s from pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
+    # which says its peak "is between SXM and NVL" without a figure. Assumed: the midpoint of the
+    # H100 SXM (989 TFLOP/s bf16 dense) and H100 NVL (835 TFLOP/s, NVL datasheet) peaks, fp8 twice that.
+    "h100gt": Device("H100 96GB HBM2e 500W", {"bfloat16": 912 * _TFLOPs, "float16": 912 * _TFLOPs,
+                                              "float8": 1824 * _TFLOPs, "float32": 62 * _TFLOPs}, 96e9, 2.4e12),
     # GB200 NVL72: 180 PFLOP/s bf16 dense and 13.4 TB HBM3e over 72 GPUs; 8 TB/s per GPU.
     "gb200": Device("B200 (GB200 NVL72)", {"bfloat16": 2500 * _TFLOPs, "float16": 2500 * _TFLOPs,
                                            "float8": 5000 * _TFLOPs, "float32": 80 * _TFLOPs}, 186e9, 8e12),
@@ -85,9 +91,12 @@ _LEVELS = {
     "h100": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
     "h200": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
     "a100": (LinkLevel("nvlink3", 300 * _GBps, 3e-6), LinkLevel("ib-200g", 25 * _GBps, 10e-6)),
+    # Grand Teton: 8 GPUs fully connected with NVLink (NVLink 4, as on SXM), 400 Gb/s RDMA per GPU
+    # (same torchtitan benchmark page).
+    "h100gt": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("rdma-400g", 50 * _GBps, 10e-6)),
     "gb200": (LinkLevel("nvlink5", 900 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
 }
-_DEFAULT_SHAPE = {"h100": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 72)}
+_DEFAULT_SHAPE = {"h100": (1, 8), "h100gt": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 72)}
 PRESETS = tuple(_DEVICES) + ("cpu",)
 
 

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 
 import jax
 import numpy as np
 
+from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention
 from xlaopt.compile import compile_program
-from xlaopt.data.loader import Loader
+from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
 from xlaopt.families import family_of
@@ -25,30 +27,82 @@ def _counted(program: TrainProgram, batch: dict):
     return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
 
 
-def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None) -> dict:
-    """Train for `steps` steps on a sample store (`data_dir`, Cosmos 3) or on the family's
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """Save to `directory` every `every` steps and after the last; `resume` continues from
+    the newest committed step there (or starts fresh when there is none)."""
+    directory: str
+    every: int | None = None
+    resume: bool = False
+    keep_last: int = 3
+
+    def due(self, done: int, steps: int) -> bool:
+        return done == steps or (self.every is not None and done % self.every == 0)
+
+
+def _run_meta(program: TrainProgram, loader) -> dict:
+    return {"model": program.model.name, "config": dataclasses.asdict(program.model),
+            "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
+            "data": loader.state().to_json() if loader is not None else None}
+
+
+def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
+    now = _run_meta(program, None)
+    config = json.loads(json.dumps(now["config"]))  # tuples -> lists, as saved
+    fields = sorted(k for k in set(config) | set(meta["config"]) if config.get(k) != meta["config"].get(k))
+    if meta["model"] != now["model"] or fields:
+        diff = ", ".join(f"{k}: saved {meta['config'].get(k)!r}, now {config.get(k)!r}" for k in fields[:8])
+        raise CheckpointError(f"{where} holds a checkpoint of {meta['model']} ({diff or 'same fields'}); this run "
+                              f"trains {now['model']}. Use another --ckpt directory or the same model settings")
+    for key in ("seed", "batch"):
+        if meta[key] != json.loads(json.dumps(now[key])):
+            raise CheckpointError(f"{where}: saved with {key} {meta[key]}, this run has {now[key]}; an exact "
+                                  f"resume needs the same {key}")
+
+
+def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None,
+          ckpt: CheckpointOptions | None = None) -> dict:
+    """Train up to step `steps` on a sample store (`data_dir`, Cosmos 3) or on the family's
     synthetic stream; returns the run's JSON-able summary.
 
     Per step, `data_wait_s` is the time blocked waiting for the next host batch and
     `step_time_s` the time from having it to the loss being on the host (transfer and
     compute). Rates and MFU use steps after the first (its time includes warm-up).
+    With `ckpt`, the state and the data position are saved asynchronously; a resumed run
+    sees exactly the batches an uninterrupted one would.
     """
+    manager = resumed = None
+    if ckpt is not None:
+        manager = CheckpointManager(ckpt.directory, Retention(keep_last=ckpt.keep_last))
+        resumed = manager.latest() if ckpt.resume else None
+        if resumed is not None:  # a checkpoint of another run is refused before compiling
+            _check_same_run(manager.manifest(resumed)["meta"], program, ckpt.directory)
     compiled = compile_program(program)
     t0 = time.perf_counter()
     compiled.train_step  # compile before the clock starts
     compile_s = time.perf_counter() - t0
     key = jax.random.key(program.settings.seed)
-    state = compiled.init(jax.random.fold_in(key, 0))
+    if resumed is None:
+        state, meta = compiled.init(jax.random.fold_in(key, 0)), None
+    else:
+        state, meta, _ = manager.restore(compiled.abstract_state, step=resumed)
+    start = int(state.step)
+    if start >= steps:
+        manager.close()
+        return {"model": program.model.name, "steps": [], "resumed_from": start,
+                "message": f"{ckpt.directory} is at step {start}; nothing to do for --steps {steps}"}
     loader = None
     if data_dir is not None:
-        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed)
-        batches = (_counted(program, next(loader)) for _ in range(steps))
+        loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
+        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
+                        state=loader_state)
+        batches = (_counted(program, next(loader)) for _ in range(start, steps))
     else:
         data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
-        batches = prefetch(lambda i: _counted(program, data.batch(i)), steps)
-    bar = ProgressBar(steps) if progress else None
-    records, flops, tokens = [], [], []
-    for step in range(steps):
+        batches = prefetch(lambda i: _counted(program, data.batch(start + i)), steps - start)
+    bar = ProgressBar(steps - start) if progress else None
+    records, flops, tokens, saves = [], [], [], []
+    for step in range(start, steps):
         t_wait = time.perf_counter()
         batch, n_tokens, n_flops = next(batches)
         t_step = time.perf_counter()
@@ -62,11 +116,16 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         tokens.append(n_tokens)
         if loader is not None:
             loader.size_window(t_end - t_step)
+        if manager is not None and ckpt.due(step + 1, steps):
+            info = manager.save(step + 1, state, _run_meta(program, loader))
+            saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
         if bar:
-            bar.update(step + 1, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
+            bar.update(step + 1 - start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
 
     if loader is not None:
         loader.close()
+    if manager is not None:
+        manager.close()
     timed = records[1:] or records
     busy = sum(r["step_time_s"] + r["data_wait_s"] for r in timed)
     peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), program.settings.compute_dtype)
@@ -92,6 +151,8 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         "mfu": sum(flops[1:] or flops) / busy / peak.flops_per_s,
         "peak_flops_per_s": peak.flops_per_s,
         "peak_source": peak.source,
+        "checkpoint": ({"dir": ckpt.directory, "resumed_from": resumed, "saves": saves,
+                        "committed": manager.steps()} if ckpt is not None else None),
     }
 
 

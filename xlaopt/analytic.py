@@ -1,0 +1,324 @@
+"""Price one optimizer step of a decoder LLM analytically, from the cost-model primitives.
+
+For layouts xlaopt does not compile (pipeline stages, context parallel rings, a framework's own
+overlap scheme), the step is built up per layer and per micro-batch on one GPU:
+
+- compute: forward linear matmuls (fp8 peak for fp8 runs), causal attention (bf16), elementwise
+  traffic (and fp8 casts) at HBM bandwidth; backward = 2x forward (2.5x for flash attention);
+  recomputation as the source runs it; the LM head and loss on the last stage;
+- FSDP: per layer, all-gather parameters for forward and again for backward, reduce-scatter
+  gradients in backward, each overlapped with that layer's compute (exposed = max(0, comm -
+  compute)); the first layer's gather of each micro-batch cannot be prefetched;
+- data parallel with a sharded optimizer (Megatron's distributed optimizer): one gradient
+  reduce-scatter and one parameter all-gather per step, overlapped with one micro-batch where the
+  framework does so; plain data parallel: one all-reduce at the end of the step;
+- tensor parallel: per layer, 2 all-gathers + 2 reduce-scatters of the activations forward
+  (sequence parallel), the same backward, exposed unless the framework overlaps them with the
+  layer's matmuls; without sequence parallel, 2 all-reduces each way;
+- context parallel: a ring passes K and V (cp - 1) times per layer forward, twice that backward,
+  overlapped with the attention kernel;
+- pipeline: (m + (pp - 1) / v) micro-batch times of the slowest stage (v virtual stages per rank),
+  plus one activation send forward and one gradient send backward per micro-batch exposed;
+- optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound.
+
+Ranks are laid out tensor innermost, then context, then data, then pipeline (Megatron's order),
+so a tensor group sits inside a node and pipeline neighbours are furthest apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from xlaopt import costmodel as cm
+from xlaopt.topology import Topology
+
+_BF16_BYTES = 2
+# AdamW on fp32 master weights: read param, grad, m, v (16 B), write param, m, v (12 B),
+# write the bf16 compute copy (2 B).
+_ADAMW_BYTES_PER_PARAM = 30
+# Cross-entropy over the logits (fp32): write logits, read them for the softmax, write and read
+# the gradient: ~4 passes of 4 bytes.
+_LOSS_BYTES_PER_LOGIT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+    """A decoder LLM's shape: the analytic twin of `xlaopt.models.decoder.DecoderConfig`
+    (same FLOP count; a test checks it), without JAX."""
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT, MPT)
+    tied_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp={self.mlp!r}; use 'swiglu' or 'gelu'")
+        if self.d_model % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads} do not divide")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    def layer_matmuls(self) -> tuple[int, ...]:
+        """Weight sizes of a layer's linear layers, in call order: q, k, v, o, then the MLP
+        (gate, up, down for SwiGLU; up, down for GELU)."""
+        d, dh = self.d_model, self.head_dim
+        attn = (d * self.heads * dh, d * self.kv_heads * dh, d * self.kv_heads * dh, self.heads * dh * d)
+        mlp = (d * self.ffn,) * (3 if self.mlp == "swiglu" else 2)
+        return attn + mlp
+
+    @functools.cached_property
+    def layer_params(self) -> int:
+        return sum(self.layer_matmuls())  # norms are negligible
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params
+
+    def linear_forward_flops(self, tokens: float) -> float:
+        """One layer's linear matmuls, forward."""
+        return 2.0 * tokens * self.layer_params
+
+    def attention_forward_flops(self, sequences: float, seq_len: int) -> float:
+        """One layer's causal attention (QK^T and PV, half the square), forward."""
+        return 2.0 * sequences * self.heads * self.head_dim * seq_len**2
+
+    def head_forward_flops(self, tokens: float) -> float:
+        return 2.0 * tokens * self.d_model * self.vocab
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """Training model FLOPs per token: 3x forward, causal attention, no recomputation."""
+        return 3.0 * (self.layers * (self.linear_forward_flops(1) + self.attention_forward_flops(1, seq_len) / seq_len)
+                      + self.head_forward_flops(1))
+
+    def elementwise_forward_bytes_per_token(self, fused: bool) -> float:
+        """HBM traffic of one layer's non-matmul ops, forward, per token (bf16 activations).
+
+        Fused (XLA, torch.compile, Transformer Engine): one pass per op group: 2 RMSNorms (read +
+        write d), 2 residual adds (read 2d, write d), rotary on q and k (read + write), the MLP
+        activation (SwiGLU: read 2F write F; GELU: read F write F).
+        Eager PyTorch: each op its own kernel: an RMSNorm is 6 kernels with an fp32 round trip
+        (~36 bytes per element instead of 4), rotary through complex fp32 views ~20 bytes per
+        element instead of 4, SwiGLU as silu then multiply (5F elements instead of 3F)."""
+        d, qk = self.d_model, (self.heads + self.kv_heads) * self.head_dim
+        act_fused = 3 if self.mlp == "swiglu" else 2
+        if fused:
+            return _BF16_BYTES * (2 * 2 * d + 2 * 3 * d + 2 * qk + act_fused * self.ffn)
+        return 2 * 36 * d + 2 * 3 * d * _BF16_BYTES + 20 * qk + _BF16_BYTES * (act_fused + 2) * self.ffn
+
+    def fp8_cast_bytes_per_token(self) -> float:
+        """Casting a layer's linear inputs to fp8 forward (read 2 B, write 1 B) and its output
+        gradients backward, plus the transposed fp8 copies the weight gradients need."""
+        d, dh = self.d_model, self.head_dim
+        inputs = d + self.heads * dh + d + self.ffn  # qkv, out, MLP up (and gate), MLP down
+        outputs = (self.heads + 2 * self.kv_heads) * dh + d + (2 if self.mlp == "swiglu" else 1) * self.ffn + d
+        return 3 * inputs + 3 * outputs + 2 * (inputs + outputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Parallel degrees and batch split of a run. `fsdp` > 1 shards parameters per layer;
+    `dp` is data parallel with replicated parameters."""
+    dp: int
+    fsdp: int
+    tp: int
+    pp: int
+    cp: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    micro_batch: int = 1  # sequences per micro-batch per data rank
+    virtual_stages: int = 1  # interleaved pipeline chunks per rank
+
+    @property
+    def data(self) -> int:
+        return max(self.dp, 1) * max(self.fsdp, 1)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.tp * self.pp * self.cp
+
+    @property
+    def micro_batches(self) -> float:
+        """Micro-batches per optimizer step per pipeline."""
+        return self.global_batch / (self.data * self.micro_batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Software:
+    """How the framework that ran the step behaves, where it changes the price."""
+    fused_elementwise: bool = True  # compiled / fused kernels, not eager PyTorch
+    recompute: str = "none"  # "none", "full", "selective-op" (TorchTitan per-op SAC), "minimal"
+    sequence_parallel: bool = True  # TP collectives are AG/RS (else all-reduce)
+    tp_overlap: bool = False  # TP collectives overlapped with the layer's matmuls
+    dp_overlap: bool = True  # gradient reduce / parameter gather overlapped with a micro-batch
+    sharded_optimizer: bool = True  # optimizer state sharded over the data ranks
+    param_gather_bytes: int = 2  # bytes per parameter all-gathered (FSDP / distributed optimizer)
+    grad_reduce_bytes: int = 2  # bytes per gradient element reduced
+    fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
+
+    RECOMPUTE = ("none", "full", "selective-op", "minimal")
+
+    def __post_init__(self):
+        if self.recompute not in self.RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}; use one of {self.RECOMPUTE}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds per optimizer step on the slowest GPU, by cause."""
+    compute_s: float  # all micro-batches through the slowest stage, exposed comm excluded
+    pipeline_bubble_s: float
+    tp_exposed_s: float
+    cp_exposed_s: float
+    fsdp_exposed_s: float
+    dp_exposed_s: float
+    pp_send_s: float
+    optimizer_s: float
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def _recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, float, float]:
+    """(linear, attention, elementwise) forward fractions recomputed in backward."""
+    if recompute == "full":
+        return 1.0, 1.0, 1.0
+    if recompute == "selective-op":
+        # TorchTitan's per-op policy saves matmul outputs except every second mm (k, o, MLP up
+        # for SwiGLU), saves SDPA, recomputes the elementwise ops.
+        weights = shape.layer_matmuls()
+        return sum(weights[1::2]) / sum(weights), 0.0, 1.0
+    if recompute == "minimal":  # MaxText minimal(_flash): all dots and attention saved
+        return 0.0, 0.0, 1.0
+    return 0.0, 0.0, 0.0
+
+
+def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+               eff: cm.Efficiency) -> StepBreakdown:
+    """Seconds of one optimizer step, by cause (see the module docstring for the model)."""
+    dev = topology.device
+    bf16_peak = dev.peak_flops["bfloat16"]
+    linear_peak = dev.peak_flops["float8"] if software.fp8_linear else bf16_peak
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    tokens = layout.micro_batch * layout.seq_len / cp  # per GPU per micro-batch
+    n_matmuls = 4  # qkv, out, MLP up (+gate), MLP down: the launches a layer's linear FLOPs split into
+
+    # --- one layer, one micro-batch ---------------------------------------------------------
+    lin_f = shape.linear_forward_flops(tokens) / tp
+    att_f = shape.attention_forward_flops(layout.micro_batch, layout.seq_len) / (tp * cp)
+    mm_max = eff.matmul_max_for(dev.name)
+    lin_s = cm.matmul_time_s(lin_f, linear_peak, lin_f / n_matmuls, mm_max, eff.matmul_half_flops)
+    att_s = cm.attention_time_s(att_f, bf16_peak, eff)
+    elem_fwd_bytes = shape.elementwise_forward_bytes_per_token(software.fused_elementwise) * tokens / tp
+    if software.fp8_linear:  # activations and gradients per token, weights (and transposes) per micro-batch
+        cast_bytes = shape.fp8_cast_bytes_per_token() * tokens / tp + 3 * 2 * shape.layer_params / tp
+    else:
+        cast_bytes = 0.0
+    elem_s = cm.memory_time_s(elem_fwd_bytes, dev.hbm_bytes_per_s)
+    cast_s = cm.memory_time_s(cast_bytes, dev.hbm_bytes_per_s)  # a third forward, two thirds backward
+    r_lin, r_att, r_elem = _recompute_fractions(shape, software.recompute)
+    fwd_s = lin_s + att_s + elem_s + cast_s / 3
+    # Backward: 2x forward for the linears and elementwise ops; 2.5x for flash attention, whose
+    # backward recomputes QK^T (5 matmuls against 2).
+    bwd_s = 2 * (lin_s + elem_s) + 2.5 * att_s + 2 * cast_s / 3 + r_lin * lin_s + r_att * att_s + r_elem * elem_s
+
+    # --- tensor and context parallel collectives, per layer per micro-batch ---------------------
+    tp_span = cm.group_span(tp, 1, topology.devices_per_node)
+    act_bytes = tokens * shape.d_model * _BF16_BYTES
+    # A pair is the AG + RS (sequence parallel) or the all-reduce (not) around one of the two
+    # sub-blocks (attention, MLP): 2 pairs forward, 2 backward, 2 more when the forward is redone.
+    if software.sequence_parallel:
+        tp_pair = (cm.collective_time_s("all-gather", act_bytes, tp_span, topology, eff)
+                   + cm.collective_time_s("reduce-scatter", act_bytes, tp_span, topology, eff))
+    else:
+        tp_pair = cm.collective_time_s("all-reduce", act_bytes, tp_span, topology, eff)
+    tp_fwd = 2 * tp_pair
+    tp_bwd = 2 * tp_pair + (2 * tp_pair if r_lin >= 1.0 else 0.0)
+    if software.tp_overlap:
+        tp_exp = cm.exposed_s(tp_fwd, lin_s) + cm.exposed_s(tp_bwd, 2 * lin_s + r_lin * lin_s)
+    else:
+        tp_exp = tp_fwd + tp_bwd
+    cp_span = cm.group_span(cp, tp, topology.devices_per_node)
+    kv_bytes = tokens * 2 * shape.kv_heads * shape.head_dim * _BF16_BYTES / tp
+    cp_send = (cp - 1) * cm.send_time_s(kv_bytes, *_level(topology, cp_span, eff)) if cp > 1 else 0.0
+    cp_exp = cm.exposed_s(cp_send, att_s) + cm.exposed_s(2 * cp_send, 2 * att_s)
+
+    # --- FSDP per layer per micro-batch ---------------------------------------------------------
+    fsdp_exp_layer = fsdp_first = 0.0
+    if layout.fsdp > 1:
+        data_span = cm.group_span(layout.data * cp, tp, topology.devices_per_node)
+        ag = cm.collective_time_s("all-gather", shape.layer_params / tp * software.param_gather_bytes,
+                                  data_span, topology, eff)
+        rs = cm.collective_time_s("reduce-scatter", shape.layer_params / tp * software.grad_reduce_bytes,
+                                  data_span, topology, eff)
+        fsdp_exp_layer = cm.exposed_s(ag, fwd_s) + cm.exposed_s(ag + rs, bwd_s)
+        fsdp_first = ag
+
+    # --- stages, micro-batches, the pipeline ----------------------------------------------------
+    layers_per_stage = shape.layers / pp
+    # The LM head and loss run on the last stage (every GPU without pipelining), in bf16.
+    head_f = shape.head_forward_flops(tokens) / tp
+    head_s = 3 * cm.matmul_time_s(head_f, bf16_peak, head_f, mm_max, eff.matmul_half_flops) + cm.memory_time_s(
+        _LOSS_BYTES_PER_LOGIT * tokens * shape.vocab / tp, dev.hbm_bytes_per_s)
+    layer_s = fwd_s + bwd_s
+    stage_compute_s = layers_per_stage * layer_s + head_s
+    stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
+    m = layout.micro_batches
+    stage_mb_s = stage_compute_s + stage_exposed_s
+    bubble_s = (pp - 1) / layout.virtual_stages * stage_mb_s if pp > 1 else 0.0
+
+    pp_send_s = 0.0
+    if pp > 1:
+        pp_span = cm.group_span(pp, tp * cp * layout.data, topology.devices_per_node)
+        level, link_eff = _level(topology, pp_span, eff)
+        send_bytes = act_bytes / (tp if software.sequence_parallel else 1)
+        pp_send_s = m * 2 * cm.send_time_s(send_bytes, level, link_eff)
+
+    # --- data-parallel gradient sync and the optimizer, once per step --------------------------
+    stage_params = shape.layers / pp * shape.layer_params + shape.embedding_params / min(pp, 2)
+    params_per_gpu = stage_params / tp
+    dp_exp = 0.0
+    if layout.fsdp <= 1 and layout.data * cp > 1:
+        span = cm.group_span(layout.data * cp, tp, topology.devices_per_node)
+        if software.sharded_optimizer:
+            rs = cm.collective_time_s("reduce-scatter", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
+            ag = cm.collective_time_s("all-gather", params_per_gpu * software.param_gather_bytes, span, topology, eff)
+        else:
+            rs = cm.collective_time_s("all-reduce", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
+            ag = 0.0
+        if software.dp_overlap:
+            one_mb_bwd = layers_per_stage * bwd_s / layout.virtual_stages
+            one_mb_fwd = layers_per_stage * fwd_s / layout.virtual_stages
+            dp_exp = cm.exposed_s(rs, one_mb_bwd) + cm.exposed_s(ag, one_mb_fwd)
+        else:
+            dp_exp = rs + ag
+    shards = layout.data * cp if (software.sharded_optimizer or layout.fsdp > 1) else 1
+    optimizer_s = cm.memory_time_s(_ADAMW_BYTES_PER_PARAM * params_per_gpu / shards, dev.hbm_bytes_per_s)
+
+    return StepBreakdown(
+        compute_s=m * stage_compute_s,
+        pipeline_bubble_s=bubble_s,
+        tp_exposed_s=m * layers_per_stage * tp_exp,
+        cp_exposed_s=m * layers_per_stage * cp_exp,
+        fsdp_exposed_s=m * (layers_per_stage * fsdp_exp_layer + fsdp_first),
+        dp_exposed_s=dp_exp,
+        pp_send_s=pp_send_s,
+        optimizer_s=optimizer_s,
+    )
+
+
+def _level(topology: Topology, span: cm.GroupSpan, eff: cm.Efficiency):
+    """The link level a point-to-point transfer within `span` crosses, and its efficiency."""
+    if span.nodes > 1:
+        return topology.levels[-1], eff.network
+    return topology.levels[0], eff.nvlink

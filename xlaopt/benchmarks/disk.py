@@ -1,0 +1,55 @@
+"""What the disk itself does: a dd-style durable write and a cold sequential read, and a way
+to make the next read cold."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+_BLOCK = 16 << 20
+
+
+def drop_page_cache(paths: list[pathlib.Path]) -> str:
+    """Evict `paths` (files or directories) from the page cache; says how."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    # Without root: ask the kernel to drop each (now clean) file's pages.
+    for root in paths:
+        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED) per file (no root for drop_caches)"
+
+
+def write_durable_MBps(path: pathlib.Path, nbytes: int) -> float:
+    """`dd bs=16M conv=fdatasync`: write `nbytes`, fdatasync, rate in MB/s."""
+    block = os.urandom(_BLOCK)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[:min(left, _BLOCK)])
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return nbytes / (time.perf_counter() - t0) / 1e6
+
+
+def read_cold_MBps(path: pathlib.Path) -> float:
+    drop_page_cache([path])
+    t0 = time.perf_counter()
+    n = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_BLOCK):
+            n += len(chunk)
+    return n / (time.perf_counter() - t0) / 1e6

@@ -1,0 +1,387 @@
+"""`xlaopt calibrate`: predict published training runs with the cost model, fit its few
+efficiencies, and report the error per row and left out of the fit.
+
+The CSV schema is ../shared/calibration/README.md (one row per published run: machine, decoder
+shape, batch, parallel degrees, recomputation, precision, and the measured `step_time_s` or
+`tokens_per_s_per_gpu`). Each row is priced by `xlaopt.analytic.price_step` (method
+"analytic"): the layouts include pipeline and context parallelism that xlaopt does not build.
+A "compiled" method (compile the layout with xlaopt where it is data / FSDP / tensor parallel
+only, and price the collectives read from the HLO) is left for the analyze work. Rows that
+cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not multiply to
+the GPU count, ...) come back with method "unmodelled" and the reason, never dropped.
+
+What the CSV does not say, and the sources do, is in `_SOURCED_SCHEDULES` (micro-batch size,
+virtual pipeline stages) and `_FRAMEWORKS` (how each framework runs: fused kernels, overlap,
+reduction dtypes); everything else unstated is assumed as documented there.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from xlaopt import costmodel as cm
+from xlaopt.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.errors import UserError
+from xlaopt.topology import Topology, TopologyError, preset
+
+REQUIRED_COLUMNS = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "model", "layers", "d_model", "heads",
+                    "kv_heads", "ffn", "vocab", "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp",
+                    "act_ckpt", "precision", "metric", "value")
+# Columns that must hold a value on every row; the others may be empty ("not stated").
+REQUIRED_VALUES = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "layers", "d_model", "heads", "ffn",
+                   "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp", "precision", "metric", "value")
+METRICS = ("step_time_s", "tokens_per_s_per_gpu")
+
+# Micro-batch size and virtual pipeline stages the sources give but the CSV does not, keyed by
+# (model, num_gpus, global_batch, seq_len). Without an entry: 1 sequence per micro-batch, no
+# interleaving.
+_SOURCED_SCHEDULES = {
+    # MaxText configs/a3/llama_2_7b/1vm.sh: per_device_batch_size=4, no gradient accumulation.
+    ("Llama-2-7B", 8, 32, 4096): dict(micro_batch=4),
+    # TorchTitan benchmarks: local batch size 2 (Table 1), 16 (the 70B async-TP page).
+    ("Llama-3.1-8B", 8, 16, 8192): dict(micro_batch=2),
+    ("Llama-3.1-70B", 256, 512, 8192): dict(micro_batch=16),
+    # NeMo 24.07 performance_summary.md: MBS 1 / VP 1 (8B), MBS 1 / VP 5 (70B), MBS 2 / VP 6 (175B).
+    ("Llama-3-8B", 8, 128, 8192): dict(micro_batch=1),
+    ("Llama-3-70B", 64, 128, 8192): dict(micro_batch=1, virtual_stages=5),
+    ("GPT-3 175B", 512, 2048, 2048): dict(micro_batch=2, virtual_stages=6),
+    # Megatron-Bridge performance-summary.md 25.11: GB200 70B MBS 2 (GA 2).
+    ("Llama-3-70B", 64, 256, 8192): dict(micro_batch=2),
+    # LLM Foundry benchmarking README, A100 80GB table: MicroBatchSize 8, GradAccum 4.
+    ("MPT-70B", 64, 2048, 2048): dict(micro_batch=8),
+    # Megatron-LM SC21 1T (arXiv:2104.04473): micro-batch 1 and the plain 1F1B schedule assumed.
+}
+
+# Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
+_KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
+
+# How each framework runs a step (first match on the lower-cased framework column).
+# Reduction dtypes: TorchTitan reduces gradients in fp32 (its FSDP mixed-precision default);
+# MaxText keeps fp32 weights and gathers them as such; Megatron-Core / NeMo reduce in bf16 and
+# overlap TP communication (tp_comm_overlap) and the distributed optimizer's reduce / gather;
+# 2021 Megatron-LM had neither sequence parallel nor a distributed optimizer and all-reduced
+# fp32 gradients after the pipeline flush; LLM Foundry runs FSDP in pure bf16, eager PyTorch.
+_FRAMEWORKS = (
+    ("maxtext", dict(fused_elementwise=True, param_gather_bytes=4, grad_reduce_bytes=4)),
+    ("torchtitan", dict(fused_elementwise=None, param_gather_bytes=2, grad_reduce_bytes=4, tp_overlap=None)),
+    ("megatron-lm (sc21", dict(sequence_parallel=False, sharded_optimizer=False, dp_overlap=False,
+                                grad_reduce_bytes=4)),
+    ("nemo", dict(tp_overlap=True)),
+    ("megatron", dict(tp_overlap=True)),
+    ("llm foundry", dict(fused_elementwise=False)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One CSV row, parsed."""
+    id: str
+    framework: str
+    gpu: str
+    num_gpus: int
+    gpus_per_node: int
+    model: str
+    shape: DecoderShape | None  # None when the row cannot be modelled (see `unmodelled`)
+    layout: Layout
+    act_ckpt: str
+    precision: str
+    metric: str
+    measured: float
+    unmodelled: str = ""  # why, when the row cannot be priced
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.global_batch * self.layout.seq_len
+
+
+def read_runs(path: str | pathlib.Path) -> list[Run]:
+    """Parse the CSV; a missing column or an empty required field raises UserError naming it."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise UserError(f"calibration runs {path}: no such file")
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        columns = reader.fieldnames or []
+        missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+        if missing:
+            raise UserError(f"{path}: missing column(s) {', '.join(missing)}; the schema is in "
+                            f"../shared/calibration/README.md")
+        runs = [_parse_row(row, line, path) for line, row in enumerate(reader, start=2)]
+    if not runs:
+        raise UserError(f"{path}: no rows")
+    return runs
+
+
+def _parse_row(row: dict, line: int, path: pathlib.Path) -> Run:
+    where = f"{path}: row {row.get('id') or '?'} (line {line})"
+    for col in REQUIRED_VALUES:
+        if not (row.get(col) or "").strip():
+            raise UserError(f"{where}: empty required field {col!r}")
+
+    def num(col: str, cast=int):
+        text = row[col].strip()
+        try:
+            value = cast(text)
+        except ValueError:
+            raise UserError(f"{where}: column {col!r} must be a number, not {text!r}") from None
+        if cast is int and value < 0 or cast is float and not value > 0:
+            raise UserError(f"{where}: column {col!r} must be positive, not {text!r}")
+        return value
+
+    metric = row["metric"].strip()
+    if metric not in METRICS:
+        raise UserError(f"{where}: metric {metric!r}; use one of {METRICS}")
+    layout = Layout(dp=num("dp"), fsdp=num("fsdp"), tp=max(num("tp"), 1), pp=max(num("pp"), 1),
+                    cp=max(num("cp"), 1), global_batch=num("global_batch"), seq_len=num("seq_len"))
+    model = row["model"].strip()
+    layout = dataclasses.replace(layout, **_SOURCED_SCHEDULES.get(
+        (model, num("num_gpus"), layout.global_batch, layout.seq_len), {}))
+    shape, why = _shape(row, model, num)
+    if not why and layout.num_devices != num("num_gpus"):
+        why = (f"dp x fsdp x tp x pp x cp = {layout.num_devices} is not num_gpus = {num('num_gpus')}")
+    if not why and layout.micro_batches < 1:
+        why = f"global_batch {layout.global_batch} is smaller than one micro-batch per data rank"
+    return Run(id=row["id"].strip(), framework=row["framework"].strip(), gpu=row["gpu"].strip(),
+               num_gpus=num("num_gpus"), gpus_per_node=num("gpus_per_node"), model=model, shape=shape,
+               layout=layout, act_ckpt=row["act_ckpt"].strip(), precision=row["precision"].strip(),
+               metric=metric, measured=num("value", float), unmodelled=why)
+
+
+def _shape(row: dict, model: str, num) -> tuple[DecoderShape | None, str]:
+    vocab_text = row["vocab"].strip()
+    if vocab_text:
+        vocab = num("vocab")
+    else:
+        vocab = next((v for name, v in _KNOWN_VOCAB.items() if model.startswith(name)), None)
+        if vocab is None:
+            return None, "vocab not stated and not known for this model"
+    # GPT and MPT rows: plain GELU MLP, head tied to the embedding; Llama and every other family:
+    # SwiGLU, untied (the common modern decoder).
+    gelu = any(family in model.lower() for family in ("gpt", "mpt"))
+    heads = num("heads")
+    kv_heads = num("kv_heads") if row["kv_heads"].strip() else heads  # not stated: multi-head attention
+    dims = dict(layers=num("layers"), d_model=num("d_model"), heads=heads, kv_heads=kv_heads, ffn=num("ffn"),
+                vocab=vocab, mlp="gelu" if gelu else "swiglu", tied_embeddings=gelu)
+    try:
+        return DecoderShape(**dims), ""
+    except ValueError as e:
+        return None, f"bad shape: {e}"
+
+
+# --- from a row to a priced step ----------------------------------------------------------------
+
+def topology_for(run: Run) -> Topology | None:
+    """The preset the gpu column names, shaped nodes x gpus_per_node."""
+    gpu = run.gpu.lower()
+    if "gb200" in gpu:
+        name = "gb200"
+    elif "h100" in gpu and ("96gb" in gpu or "500w" in gpu):
+        name = "h100gt"  # H100 96 GB HBM2e at 500 W (TorchTitan's Grand Teton); see topology.py
+    elif "h100" in gpu:
+        name = "h100"
+    elif "h200" in gpu:
+        name = "h200"
+    elif "a100" in gpu:
+        name = "a100"
+    else:
+        return None
+    return preset(name, math.ceil(run.num_gpus / run.gpus_per_node), run.gpus_per_node)
+
+
+def software_for(run: Run) -> Software | str:
+    """The framework's traits with the row's recomputation and precision; a string says why not.
+    A framework not in `_FRAMEWORKS` gets `Software`'s defaults (fused kernels, no TP overlap,
+    overlapped data-parallel sync, sharded optimizer, bf16 gathers and reductions)."""
+    fw = run.framework.lower()
+    traits = next((dict(t) for key, t in _FRAMEWORKS if key in fw), {})
+    if traits.get("fused_elementwise", True) is None:  # TorchTitan: eager unless compiled
+        traits["fused_elementwise"] = "compile" in fw
+    if traits.get("tp_overlap", False) is None:
+        traits["tp_overlap"] = "async" in fw
+    ckpt = run.act_ckpt.lower()
+    if not ckpt or ckpt in ("none", "false"):
+        recompute = "none"
+    elif ckpt.startswith("full") or ckpt == "remat=full":
+        recompute = "full"
+    elif "per-op" in ckpt:
+        recompute = "selective-op"
+    elif "minimal" in ckpt:
+        recompute = "minimal"
+    else:
+        return f"act_ckpt {run.act_ckpt!r} not modelled"
+    return Software(recompute=recompute, fp8_linear=run.precision.lower().startswith("fp8"), **traits)
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """A modelled row with everything `predict` needs."""
+    run: Run
+    topology: Topology
+    software: Software
+
+
+def prepare(run: Run) -> Priced | str:
+    if run.unmodelled:
+        return run.unmodelled
+    try:
+        topology = topology_for(run)
+    except TopologyError as e:  # e.g. more GPUs per node than the preset's domain holds
+        return str(e)
+    if topology is None:
+        return f"no topology preset for gpu {run.gpu!r}"
+    software = software_for(run)
+    if isinstance(software, str):
+        return software
+    if software.fp8_linear and "float8" not in topology.device.peak_flops:
+        return f"{topology.device.name} has no fp8 peak"
+    return Priced(run, topology, software)
+
+
+def predict(p: Priced, eff: cm.Efficiency) -> float:
+    """The row's metric as the cost model predicts it."""
+    step_s = price_step(p.run.shape, p.run.layout, p.topology, p.software, eff).step_time_s
+    if p.run.metric == "step_time_s":
+        return step_s
+    return p.run.tokens_per_step / step_s / p.run.num_gpus
+
+
+# --- fitting ------------------------------------------------------------------------------------
+
+# Start and bounds of the fit. Efficiencies live in (0, 1]; the optimiser works on unbounded
+# coordinates mapped through a logistic (fractions) or an exponential (sizes).
+FIT_START = cm.Efficiency(matmul_max=0.7, matmul_max_ampere=0.7, matmul_half_flops=1e10, attention=0.5, nvlink=0.7,
+                          network=0.7)
+# The published rows cannot tell NVLink from network efficiency apart (only R13 and R21 leave
+# network traffic exposed, and both also vary the matmul efficiencies): fitted separately they
+# trade off freely and the leave-one-out error grows. So one `collective` value is fitted and
+# used for both until rows that separate them exist.
+_FRACTIONS = ("matmul_max", "matmul_max_ampere", "attention", "collective")
+_SIZES = ("matmul_half_flops",)
+
+
+def _to_theta(e: cm.Efficiency) -> np.ndarray:
+    values = {**dataclasses.asdict(e), "collective": e.nvlink}
+    return np.array([math.log(values[k] / (1 - values[k])) for k in _FRACTIONS]
+                    + [math.log(values[k]) for k in _SIZES])
+
+
+def _from_theta(t: np.ndarray) -> cm.Efficiency:
+    n = len(_FRACTIONS)
+    values = {k: float(1 / (1 + math.exp(-x))) for k, x in zip(_FRACTIONS, t[:n])}
+    values |= {k: float(math.exp(x)) for k, x in zip(_SIZES, t[n:])}
+    collective = values.pop("collective")
+    return cm.Efficiency(nvlink=collective, network=collective, **values)
+
+
+def objective(priced: list[Priced], eff: cm.Efficiency) -> float:
+    """Mean |log(predicted / measured)|: symmetric in over- and under-prediction."""
+    return float(np.mean([abs(math.log(predict(p, eff) / p.run.measured)) for p in priced]))
+
+
+def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iterations: int = 300, tolerance: float = 1e-9) -> np.ndarray:
+    """Minimise f from x0: the textbook simplex (reflect, expand, contract, shrink), stopped when
+    the simplex's values agree to `tolerance`; deterministic."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tolerance:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex]
+                values = [f(x) for x in simplex]
+    return simplex[int(np.argmin(values))]
+
+
+def fit(priced: list[Priced], start: cm.Efficiency = FIT_START) -> cm.Efficiency:
+    """The efficiencies minimising `objective` on `priced`. The objective has kinks (an absolute
+    value per row), where a simplex can stall: restart once from the best point with a fresh,
+    smaller simplex. About half a second for 11 rows."""
+    f = lambda t: objective(priced, _from_theta(t))
+    first = nelder_mead(f, _to_theta(start))
+    return _from_theta(nelder_mead(f, first, step=0.1))
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True) -> dict:
+    """Per-row predictions with `eff`, summary errors, and leave-one-out figures (refit without
+    each modelled row, predict it)."""
+    prepared = [(run, prepare(run)) for run in runs]
+    priced = [p for _, p in prepared if isinstance(p, Priced)]
+    rows = []
+    for run, p in prepared:
+        if isinstance(p, str):
+            rows.append(dict(id=run.id, predicted=None, measured=run.measured, rel_error=None,
+                             method="unmodelled", metric=run.metric, reason=p))
+            continue
+        predicted = predict(p, eff)
+        rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
+                         rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric))
+    errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
+    result = dict(efficiency=dataclasses.asdict(eff), rows=rows,
+                  median_abs_rel_error=float(np.median(errors)) if errors else None,
+                  max_abs_rel_error=float(np.max(errors)) if errors else None,
+                  modelled=len(priced), unmodelled=len(runs) - len(priced))
+    if leave_one_out and len(priced) > 1:
+        loo = {}
+        for i, p in enumerate(priced):
+            refit = fit(priced[:i] + priced[i + 1:])
+            loo[p.run.id] = predict(p, refit) / p.run.measured - 1
+        for r in rows:
+            r["loo_rel_error"] = loo.get(r["id"])
+        loo_abs = [abs(v) for v in loo.values()]
+        result.update(loo_median_abs_rel_error=float(np.median(loo_abs)), loo_max_abs_rel_error=float(np.max(loo_abs)))
+    return result
+
+
+def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None) -> dict:
+    """`xlaopt calibrate --runs CSV [--json OUT]`: the report with the frozen efficiencies."""
+    result = calibrate(read_runs(runs_path))
+    result["runs"] = str(runs_path)
+    if json_out is not None:
+        pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The report as a plain-text table."""
+    lines = [f"{'id':<5} {'metric':<21} {'measured':>10} {'predicted':>10} {'error':>7} {'LOO':>7}  method"]
+    for r in result["rows"]:
+        if r["method"] == "unmodelled":
+            lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {'-':>10} {'-':>7} {'-':>7}  "
+                         f"unmodelled: {r['reason']}")
+            continue
+        loo = r.get("loo_rel_error")
+        lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g} "
+                     f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {r['method']}")
+    if result["median_abs_rel_error"] is not None:
+        lines.append(f"median |error| {result['median_abs_rel_error']:.1%}, worst {result['max_abs_rel_error']:.1%} "
+                     f"({result['modelled']} rows modelled, {result['unmodelled']} unmodelled)")
+    if "loo_median_abs_rel_error" in result:
+        lines.append(f"leave-one-out: median |error| {result['loo_median_abs_rel_error']:.1%}, "
+                     f"worst {result['loo_max_abs_rel_error']:.1%}")
+    e = result["efficiency"]
+    lines.append("efficiency: " + ", ".join(f"{k}={v:.3g}" for k, v in e.items()))
+    return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""Read-only views of a checkpoint directory for `xlaopt ckpt ls|verify|inspect`."""
+from __future__ import annotations
+
+import pathlib
+
+from xlaopt.checkpoint.layout import CheckpointError, committed_steps, debris, open_root, read_manifest, step_dir_name
+from xlaopt.checkpoint.restore import check_files, read_all
+
+
+def _step_dir(root: pathlib.Path, step: int | None) -> pathlib.Path:
+    steps = committed_steps(root)
+    if not steps:
+        raise CheckpointError(f"{root}: no committed checkpoint")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise CheckpointError(f"{root}: no committed step {step}; have {steps}")
+    return root / step_dir_name(step)
+
+
+def listing(root) -> dict:
+    root = open_root(root, create=False)
+    rows = []
+    for step in committed_steps(root):
+        manifest = read_manifest(root / step_dir_name(step))
+        rows.append({"step": step, "bytes": sum(manifest["files"].values()), "leaves": len(manifest["leaves"]),
+                     "files": len(manifest["files"]), "process_count": manifest.get("process_count", 1)})
+    return {"dir": str(root), "steps": rows, "debris": [p.name for p in debris(root)]}
+
+
+def verify(root, step: int | None = None) -> dict:
+    """Check every committed step (or one): files present with their sizes, every chunk's
+    checksum (by reading it all). `faults` empty means sound."""
+    root = open_root(root, create=False)
+    steps = committed_steps(root) if step is None else [step]
+    if not steps:
+        raise CheckpointError(f"{root}: no committed checkpoint to verify")
+    result = {"dir": str(root), "steps": {}}
+    for s in steps:
+        step_dir = _step_dir(root, s)
+        try:
+            manifest = read_manifest(step_dir)
+            faults = check_files(step_dir, manifest)
+            if not faults:
+                read_all(step_dir, manifest)
+        except CheckpointError as e:
+            faults = [str(e)]
+        result["steps"][s] = faults
+    result["ok"] = not any(result["steps"].values())
+    return result
+
+
+def describe(root, step: int | None = None) -> dict:
+    root = open_root(root, create=False)
+    return read_manifest(_step_dir(root, step))

@@ -1,0 +1,187 @@
+"""Cost-model primitives: compute by a roofline, collectives by algorithm over link levels.
+
+Pure Python (no JAX): the same functions price an analytic description of a training step
+(`xlaopt.calibrate`) and, later, the collectives read from compiled HLO.
+
+- Compute: matmul FLOPs run at the dtype's datasheet peak times an efficiency that grows with
+  the size of the matmul, e = matmul_max * x / (x + matmul_half_flops), x the per-GPU FLOPs of
+  one matmul (small matmuls cannot fill the GPU and pay fixed launch/tail costs). Memory-bound
+  work (elementwise ops, the optimizer update) runs at the HBM bandwidth.
+- Collectives: ring all-gather / reduce-scatter of an array of V bytes over n ranks take
+  (n-1) latency steps and move (n-1)/n * V per rank; all-reduce is both (twice that); a
+  double binary tree all-reduce takes 2*ceil(log2 n) latency steps and 2V/W, so it wins only for
+  small, latency-bound messages. A group that spans nodes runs hierarchically: inside each node
+  over NVLink, then across nodes between same-rank GPUs, each with its own NIC (rail-aligned, as
+  in DGX systems), on 1/(members per node) of the data. The achieved fraction of a link's
+  bandwidth is one efficiency per link kind (NVLink vs network).
+- Point-to-point sends (pipeline stages): one latency plus bytes / achieved bandwidth.
+
+Volumes follow the scaling-book convention used in `xlaopt.hlo`: V is the size of the whole
+array (all-gather result, reduce-scatter operand, all-reduce operand).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from xlaopt.topology import LinkLevel, Topology
+
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """The cost model's free parameters: achieved fractions of datasheet figures.
+
+    matmul_max: fraction of the dense peak a large matmul reaches on Hopper and newer GPUs.
+    matmul_max_ampere: the same on Ampere (A100). Separate because the A100 sustains a larger
+      share of its lower peak: Hopper's and Blackwell's peaks assume clocks their power limits do
+      not hold under dense matmuls, and they have half the A100's HBM bytes per FLOP.
+    matmul_half_flops: per-GPU FLOPs of one matmul at which it reaches half its maximum (small
+      matmuls cannot fill the GPU and pay fixed launch and tail costs).
+    attention: fraction of the bf16 peak fused (flash) attention reaches, forward and backward.
+    nvlink: fraction of the per-direction NVLink bandwidth a collective inside a node achieves.
+    network: fraction of the per-GPU NIC bandwidth a collective across nodes achieves.
+    """
+    matmul_max: float
+    matmul_max_ampere: float
+    matmul_half_flops: float
+    attention: float
+    nvlink: float
+    network: float
+
+    def __post_init__(self):
+        for name in ("matmul_max", "matmul_max_ampere", "attention", "nvlink", "network"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"Efficiency.{name}={value} must be in (0, 1]")
+        if self.matmul_half_flops < 0:
+            raise ValueError(f"Efficiency.matmul_half_flops={self.matmul_half_flops} must be >= 0")
+
+    def matmul_max_for(self, device_name: str) -> float:
+        """The large-matmul fraction of peak for a device (by its topology name)."""
+        return self.matmul_max_ampere if "A100" in device_name else self.matmul_max
+
+
+# Fitted by `xlaopt.calibrate.fit`: Nelder-Mead from `calibrate.FIT_START` (restarted once from
+# its best point), minimising the mean |log(predicted / measured)| over all 11 rows of
+# ../shared/calibration/published_runs.csv (MaxText R01; TorchTitan R05, R06, R08; NeMo R11, R12,
+# R13; Megatron-Bridge R14, R16; Megatron-LM R21; LLM Foundry R23), every row weighted equally and
+# priced by `xlaopt.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
+# separate them, see `calibrate._FRACTIONS`); rounded to 3 significant figures.
+# tests/test_calibrate.py refits and checks these values; `xlaopt calibrate --runs CSV` prints
+# the per-row and leave-one-out errors. Do not retune against single rows: other published runs
+# are held out to test these values.
+FITTED = Efficiency(matmul_max=0.636, matmul_max_ampere=0.792, matmul_half_flops=3.12e10, attention=0.224,
+                    nvlink=0.573, network=0.573)
+
+
+# --- compute -----------------------------------------------------------------------------
+
+def matmul_efficiency(flops_per_matmul: float, matmul_max: float, half_flops: float) -> float:
+    """Fraction of peak a matmul of `flops_per_matmul` (on one GPU) achieves:
+    matmul_max * x / (x + half_flops)."""
+    x = max(flops_per_matmul, 0.0)
+    return matmul_max * x / (x + half_flops) if x > 0 else 0.0
+
+
+def matmul_time_s(flops: float, peak_flops_per_s: float, flops_per_matmul: float, matmul_max: float,
+                  half_flops: float) -> float:
+    """Time of `flops` of matmuls, each of `flops_per_matmul`, on a device of the given peak."""
+    if flops <= 0:
+        return 0.0
+    return flops / (peak_flops_per_s * matmul_efficiency(flops_per_matmul, matmul_max, half_flops))
+
+
+def attention_time_s(flops: float, bf16_peak_flops_per_s: float, eff: Efficiency) -> float:
+    """Fused attention: a fixed fraction of the bf16 peak (its matmuls are large; its softmax and
+    the recomputation inside the backward kernel are what keep it below a plain matmul)."""
+    return max(flops, 0.0) / (bf16_peak_flops_per_s * eff.attention)
+
+
+def memory_time_s(bytes_moved: float, hbm_bytes_per_s: float) -> float:
+    """Memory-bound time: bytes read plus written, at the HBM bandwidth."""
+    return max(bytes_moved, 0.0) / hbm_bytes_per_s
+
+
+def roofline_time_s(flops: float, bytes_moved: float, peak_flops_per_s: float, hbm_bytes_per_s: float,
+                    compute_efficiency: float = 1.0) -> float:
+    """One op: bound by whichever of compute and memory traffic takes longer."""
+    return max(flops / (peak_flops_per_s * compute_efficiency), bytes_moved / hbm_bytes_per_s)
+
+
+# --- collectives -------------------------------------------------------------------------
+
+def ring_time_s(kind: str, volume_bytes: float, n: int, level: LinkLevel, link_eff: float) -> float:
+    """A ring collective over n ranks on one link level (V = whole-array bytes)."""
+    _check_kind(kind)
+    if n <= 1 or volume_bytes <= 0:
+        return 0.0
+    one_pass = (n - 1) * level.latency_s + (n - 1) / n * volume_bytes / (level.bytes_per_s * link_eff)
+    return 2 * one_pass if kind == "all-reduce" else one_pass
+
+
+def tree_all_reduce_time_s(volume_bytes: float, n: int, level: LinkLevel, link_eff: float) -> float:
+    """Double binary tree all-reduce: log-depth latency, 2V/W bandwidth term."""
+    if n <= 1 or volume_bytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * level.latency_s + 2 * volume_bytes / (level.bytes_per_s * link_eff)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpan:
+    """How a group of ranks sits on the machine: `per_node` members in each of `nodes` nodes."""
+    per_node: int
+    nodes: int
+
+    @property
+    def size(self) -> int:
+        return self.per_node * self.nodes
+
+
+def group_span(size: int, stride: int, devices_per_node: int) -> GroupSpan:
+    """The span of a mesh axis of `size` whose neighbours are `stride` ranks apart, with ranks
+    numbered node-major (ranks 0..devices_per_node-1 on node 0, and so on)."""
+    if size <= 1:
+        return GroupSpan(1, 1)
+    if stride >= devices_per_node:
+        return GroupSpan(1, size)
+    per_node = min(size, max(1, devices_per_node // stride))
+    return GroupSpan(per_node, math.ceil(size / per_node))
+
+
+def collective_time_s(kind: str, volume_bytes: float, span: GroupSpan, topology: Topology,
+                      eff: Efficiency) -> float:
+    """A collective over a group on the topology: a ring inside one node, hierarchical across
+    nodes (intra-node pass on V, inter-node pass on V / per_node); all-reduce takes the faster
+    of that and a tree, as NCCL's tuner does."""
+    _check_kind(kind)
+    if span.size <= 1 or volume_bytes <= 0:
+        return 0.0
+    inner, outer = topology.levels[0], topology.levels[-1]
+    if span.nodes == 1:
+        ring = ring_time_s(kind, volume_bytes, span.per_node, inner, eff.nvlink)
+        tree = tree_all_reduce_time_s(volume_bytes, span.per_node, inner, eff.nvlink)
+    else:
+        ring = (ring_time_s(kind, volume_bytes, span.per_node, inner, eff.nvlink)
+                + ring_time_s(kind, volume_bytes / span.per_node, span.nodes, outer, eff.network))
+        tree = (ring_time_s(kind, volume_bytes, span.per_node, inner, eff.nvlink)
+                + tree_all_reduce_time_s(volume_bytes / span.per_node, span.nodes, outer, eff.network))
+    return min(ring, tree) if kind == "all-reduce" else ring
+
+
+def send_time_s(volume_bytes: float, level: LinkLevel, link_eff: float) -> float:
+    """A point-to-point send (pipeline stage to stage)."""
+    if volume_bytes <= 0:
+        return 0.0
+    return level.latency_s + volume_bytes / (level.bytes_per_s * link_eff)
+
+
+def exposed_s(comm_s: float, overlapping_compute_s: float) -> float:
+    """Communication left on the critical path when it overlaps `overlapping_compute_s`."""
+    return max(0.0, comm_s - overlapping_compute_s)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"collective kind {kind!r}; use one of {COLLECTIVE_KINDS}")
