@@ -98,12 +98,13 @@ class CheckpointManager:
             raise CheckpointError(f"{self.root}: step {step} is already committed; saves must move forward")
         leaves, _ = snapshot(tree)
         blocking_s = time.perf_counter() - t0
+        nbytes = sum(leaf.nbytes for leaf in leaves)  # before the writer releases the host copies
         self._saves += 1
         key = f"xlaopt-ckpt/{self._tag}/{self._saves}"
         self._thread = threading.Thread(target=self._write, args=(step, leaves, meta or {}, key),
                                         name=f"ckpt-save-{step}", daemon=True)
         self._thread.start()
-        return SaveInfo(step, sum(leaf.nbytes for leaf in leaves), blocking_s)
+        return SaveInfo(step, nbytes, blocking_s)
 
     def wait(self) -> None:
         """Block until the save in flight has finished; raise its error, if it failed."""
