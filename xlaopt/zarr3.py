@@ -10,20 +10,19 @@ import os
 _CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
-def array_spec(path: str | os.PathLike, shape, dtype: str, outer=None, inner=None, create: bool = True) -> dict:
-    """A zarr3 spec. `outer` is the chunk grid (one file per chunk); `inner` subdivides each
-    file into checksummed chunks that are read independently. Rank-0 arrays are one plain chunk."""
+def array_spec(path: str | os.PathLike, shape, dtype: str, chunk=None, inner=None, create: bool = True) -> dict:
+    """A zarr3 spec with one file per `chunk` (default: the whole array). With `inner`, each file
+    is a shard of checksummed inner chunks read independently; without, a file is the chunk's
+    little-endian bytes followed by their crc32c (4 bytes, little-endian)."""
     shape = [int(d) for d in shape]
-    if shape:
-        outer = [int(d) for d in (outer or shape)]
-        inner = [int(d) for d in (inner or outer)]
+    chunk = [int(d) for d in (chunk or shape)]
+    codecs = _CRC
+    if shape and inner is not None:
         codecs = [{"name": "sharding_indexed",
-                   "configuration": {"chunk_shape": inner, "codecs": _CRC, "index_codecs": _CRC}}]
-    else:
-        outer, codecs = [], _CRC
+                   "configuration": {"chunk_shape": [int(d) for d in inner], "codecs": _CRC, "index_codecs": _CRC}}]
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
             "metadata": {"shape": shape, "data_type": dtype,
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": outer}},
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
                          "codecs": codecs},
             # Write every chunk, zeros included: a missing file must mean damage, not zeros.
             "store_data_equal_to_fill_value": True}

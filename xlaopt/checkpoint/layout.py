@@ -123,14 +123,15 @@ def write_json_durable(path: pathlib.Path, obj) -> None:
     fsync_dir(path.parent)
 
 
-def confined(base: pathlib.Path, relative: str) -> pathlib.Path:
-    """`base/relative`, refusing anything that could point outside `base` (metadata is input)."""
+def confined(base: pathlib.Path, relative: str, resolve: bool = True) -> pathlib.Path:
+    """`base/relative`, refusing anything that could point outside `base` (metadata is input):
+    only plain names, and (with `resolve`) no symlink leading out."""
     parts = relative.split("/")
     if not relative or any(p in (".", "..") or not _SAFE_PART.match(p) for p in parts):
         raise CheckpointError(f"{base}: path {relative!r} in the manifest is not a plain relative path; "
                               f"the checkpoint is damaged or was not written by xlaopt")
     path = base.joinpath(*parts)
-    if not path.resolve().is_relative_to(base.resolve()):
+    if resolve and not path.resolve().is_relative_to(base.resolve()):
         raise CheckpointError(f"{base}: {relative!r} resolves outside the checkpoint (a symlink?); refusing it")
     return path
 

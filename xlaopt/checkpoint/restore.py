@@ -2,15 +2,18 @@
 hold, straight from the files, checksums verified chunk by chunk."""
 from __future__ import annotations
 
+import os
 import pathlib
+from stat import S_ISREG
 
 import jax
 import numpy as np
 import tensorstore as ts
 
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
+from xlaopt.checkpoint.reader import StepReader
 from xlaopt.checkpoint.tree import named_leaves
-from xlaopt.checkpoint.writer import ts_context
+from xlaopt.checkpoint.writer import region_of, ts_context
 from xlaopt.zarr3 import open_spec
 
 
@@ -20,13 +23,20 @@ def check_files(step_dir: pathlib.Path, manifest: dict, names=None) -> list[str]
     faults = []
     prefixes = None if names is None else tuple(f"{ARRAYS}/{n}/" for n in names)
     for relative, size in manifest["files"].items():
-        path = confined(step_dir, relative)
+        # Names only here (resolving each path costs a stat per component); the array
+        # directories the reader opens are resolved, and it opens no symlinked chunk file.
+        path = confined(step_dir, relative, resolve=False)
         if prefixes is not None and not relative.startswith(prefixes):
             continue
-        if not path.is_file():
+        try:
+            stat = os.lstat(path)
+        except FileNotFoundError:
             faults.append(f"{path}: missing")
-        elif path.stat().st_size != size:
-            faults.append(f"{path}: {path.stat().st_size} bytes, the manifest says {size} (truncated or overwritten)")
+            continue
+        if not S_ISREG(stat.st_mode):
+            faults.append(f"{path}: not a regular file (a symlink?)")
+        elif stat.st_size != size:
+            faults.append(f"{path}: {stat.st_size} bytes, the manifest says {size} (truncated or overwritten)")
     return faults
 
 
@@ -83,41 +93,41 @@ def restore_tree(step_dir: pathlib.Path, manifest: dict, target, partial: bool =
     if faults:
         raise CheckpointError(f"{step_dir}: {len(faults)} damaged file(s): " + "; ".join(faults[:5]))
 
-    context = ts_context()
-    # Issue every read first, so tensorstore reads all files concurrently.
+    reader = StepReader(step_dir, manifest)
+    # Queue every chunk read first, in tree order, so the disk stays busy while arrays are built.
     plans = []
     for name, leaf in zip(names, leaves):
         if name in missing:
             plans.append(None)
             continue
-        store = _open(step_dir, name, context)
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is None:
-            plans.append(("host", store.read()))
-            continue
-        if jax.dtypes.canonicalize_dtype(leaf.dtype) != np.dtype(leaf.dtype):
-            raise CheckpointError(f"{name}: {np.dtype(leaf.dtype).name} cannot live on a device without "
-                                  f"jax_enable_x64; restore it to host (no sharding) or enable x64")
-        by_index: dict = {}
-        devices = []
-        for device, index in sharding.addressable_devices_indices_map(tuple(leaf.shape)).items():
-            key = tuple((s.start, s.stop, s.step) for s in index)
-            if key not in by_index:
-                by_index[key] = store[index].read() if leaf.shape else store.read()
-            devices.append((device, key))
-        plans.append(("sharded", sharding, by_index, devices))
-
-    out = []
-    for name, leaf, plan in zip(names, leaves, plans):
-        if plan is None:
-            out.append(leaf)
-        elif plan[0] == "host":
-            out.append(_result(plan[1], name))
+        shape, sharding = tuple(leaf.shape), getattr(leaf, "sharding", None)
+        if sharding is None:  # to host, whole
+            devices = [(None, tuple((0, d) for d in shape))]
         else:
-            _, sharding, by_index, devices = plan
-            host = {k: _result(f, name) for k, f in by_index.items()}
-            shards = [jax.device_put(host[k], d) for d, k in devices]
-            out.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, shards))
+            if jax.dtypes.canonicalize_dtype(leaf.dtype) != np.dtype(leaf.dtype):
+                raise CheckpointError(f"{name}: {np.dtype(leaf.dtype).name} cannot live on a device without "
+                                      f"jax_enable_x64; restore it to host (no sharding) or enable x64")
+            devices = [(d, region_of(index, shape))
+                       for d, index in sharding.addressable_devices_indices_map(shape).items()]
+        for _, region in devices:
+            reader.request(name, region)
+        plans.append((sharding, devices))
+    out = []
+    try:
+        for name, leaf, plan in zip(names, leaves, plans):
+            if plan is None:
+                out.append(leaf)
+                continue
+            sharding, devices = plan
+            regions = {region: reader.region(name, region) for region in dict.fromkeys(r for _, r in devices)}
+            if sharding is None:
+                out.append(regions[devices[0][1]])
+            else:
+                shards = [jax.device_put(regions[region], device) for device, region in devices]
+                out.append(jax.make_array_from_single_device_arrays(tuple(leaf.shape), sharding, shards))
+            reader.release(name)
+    finally:
+        reader.close()
     report = {"step": manifest["step"], "restored": len(wanted), "kept_from_target": missing, "ignored": unexpected}
     return jax.tree_util.tree_unflatten(treedef, out), report
 

@@ -8,9 +8,9 @@ import numpy as np
 
 from xlaopt.checkpoint.layout import CheckpointError, safe_part
 
-# An inner chunk is the unit of checksum and of partial reads: small enough that restoring onto
-# another sharding reads little it discards, large enough that reads stay sequential.
-INNER_CHUNK_BYTES = 8 << 20
+# A chunk (one file) is the unit of checksum and of partial reads: small enough that restoring
+# onto another sharding reads little it discards, large enough that reads stay sequential.
+CHUNK_BYTES = 8 << 20
 
 
 def _key_part(k) -> str:
@@ -32,17 +32,17 @@ def named_leaves(tree) -> tuple[list[str], list, jax.tree_util.PyTreeDef]:
     return names, [leaf for _, leaf in flat], treedef
 
 
-def inner_chunk(outer: tuple[int, ...], itemsize: int, target_bytes: int = INNER_CHUNK_BYTES) -> tuple[int, ...]:
-    """Split `outer` by prime factors of its largest dims until a chunk is at most `target_bytes`;
-    the sharding codec needs `outer` to be a multiple of the inner chunk."""
-    inner = list(outer)
-    while int(np.prod(inner, dtype=np.int64)) * itemsize > target_bytes:
-        splittable = [d for d in range(len(inner)) if inner[d] > 1]
+def chunk_shape(shard: tuple[int, ...], itemsize: int, target_bytes: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """Split `shard` by prime factors of its largest dims until a chunk is at most `target_bytes`;
+    a shard is a whole number of chunks, so each file belongs to exactly one writer."""
+    chunk = list(shard)
+    while int(np.prod(chunk, dtype=np.int64)) * itemsize > target_bytes:
+        splittable = [d for d in range(len(chunk)) if chunk[d] > 1]
         if not splittable:
             break
-        d = max(splittable, key=lambda i: inner[i])
-        inner[d] //= _smallest_factor(inner[d])
-    return tuple(inner)
+        d = max(splittable, key=lambda i: chunk[i])
+        chunk[d] //= _smallest_factor(chunk[d])
+    return tuple(chunk)
 
 
 def _smallest_factor(n: int) -> int:
@@ -60,8 +60,8 @@ class LeafSnapshot:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    outer: tuple[int, ...]  # the saved shard shape: one file per shard
-    inner: tuple[int, ...]
+    shard: tuple[int, ...]  # the saved shard shape
+    chunk: tuple[int, ...]  # one file per chunk; a shard is a whole number of chunks
     sharding: dict | None  # {"mesh": {axis: size}, "spec": [...]} for a NamedSharding
     shards: list  # [(index: tuple[slice, ...], host copy: np.ndarray)]
 
@@ -70,8 +70,8 @@ class LeafSnapshot:
         return sum(data.nbytes for _, data in self.shards)
 
     def describe(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "chunk": list(self.outer),
-                "inner_chunk": list(self.inner), "sharding": self.sharding}
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "shard": list(self.shard),
+                "chunk": list(self.chunk), "sharding": self.sharding}
 
 
 def _sharding_json(sharding) -> dict | None:
@@ -91,13 +91,13 @@ def snapshot(tree) -> tuple[list[LeafSnapshot], jax.tree_util.PyTreeDef]:
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 raise CheckpointError(f"{name}: a typed PRNG key; save jax.random.key_data(key) instead")
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-            outer = tuple(leaf.sharding.shard_shape(leaf.shape))
+            shard = tuple(leaf.sharding.shard_shape(leaf.shape))
             shards = [(tuple(s.index), np.array(s.data, copy=True)) for s in leaf.addressable_shards
                       if s.replica_id == 0]
             sharding = _sharding_json(leaf.sharding)
         else:
             data = np.array(leaf, copy=True)
-            shape, dtype, outer, sharding = data.shape, data.dtype, data.shape, None
+            shape, dtype, shard, sharding = data.shape, data.dtype, data.shape, None
             shards = [(tuple(slice(None) for _ in shape), data)] if first_process else []
-        out.append(LeafSnapshot(name, shape, dtype.name, outer, inner_chunk(outer, dtype.itemsize), sharding, shards))
+        out.append(LeafSnapshot(name, shape, dtype.name, shard, chunk_shape(shard, dtype.itemsize), sharding, shards))
     return out, treedef

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import pathlib
 
 import tensorstore as ts
@@ -22,12 +23,19 @@ def ts_context() -> ts.Context:
                        "data_copy_concurrency": {"limit": 4}})
 
 
-def chunk_file(array_dir: pathlib.Path, leaf: LeafSnapshot, index: tuple) -> pathlib.Path:
-    """The file holding the shard at `index` (zarr3 default chunk keys: c/i/j/...)."""
-    if not leaf.shape:
-        return array_dir / "c"
-    coords = [(s.start or 0) // o for s, o in zip(index, leaf.outer)]
+def chunk_coords(region, chunk) -> list[tuple[int, ...]]:
+    """Grid coordinates of the chunks a region ((start, stop) per dim) touches."""
+    ranges = [range(start // c, -(-stop // c)) for (start, stop), c in zip(region, chunk)]
+    return list(itertools.product(*ranges))
+
+
+def chunk_path(array_dir: pathlib.Path, coords: tuple[int, ...]) -> pathlib.Path:
+    """zarr3's default chunk key: c/i/j/... (just `c` for a rank-0 array)."""
     return array_dir.joinpath("c", *map(str, coords))
+
+
+def region_of(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
 
 
 def write_leaves(step_tmp: pathlib.Path, leaves: list[LeafSnapshot], context: ts.Context,
@@ -35,31 +43,32 @@ def write_leaves(step_tmp: pathlib.Path, leaves: list[LeafSnapshot], context: ts
     """Write every shard in `leaves`, releasing each host copy once it is written, and fsync
     every file and directory. Errors name the array and the file."""
     arrays_dir = step_tmp / ARRAYS
-    pending = collections.deque()  # (future, leaf, file, nbytes)
+    pending = collections.deque()  # (future, leaf, files, nbytes)
     in_flight = 0
     with concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="ckpt-fsync") as syncer:
         syncs = []
 
         def land(entry):
             nonlocal in_flight
-            future, leaf, path, nbytes = entry
+            future, leaf, paths, nbytes = entry
             try:
                 future.result()
             except Exception as e:  # tensorstore raises ValueError with the OS error inside
-                raise CheckpointError(f"writing {leaf.name} to {path}: {e}") from None
+                raise CheckpointError(f"writing {leaf.name} to {paths[0].parent}: {e}") from None
             in_flight -= nbytes
-            syncs.append(syncer.submit(fsync_file, path))
+            syncs.extend(syncer.submit(fsync_file, path) for path in paths)
 
         for leaf in leaves:
             array_dir = arrays_dir.joinpath(*leaf.name.split("/"))
-            spec = array_spec(array_dir, leaf.shape, leaf.dtype, leaf.outer, leaf.inner, create=False)
+            spec = array_spec(array_dir, leaf.shape, leaf.dtype, leaf.chunk, create=False)
             try:
                 # create-or-open: in a multi-process save every process opens the same array
                 store = ts.open(dict(spec, create=True, open=True), context=context).result()
             except Exception as e:
                 raise CheckpointError(f"creating {leaf.name} in {array_dir}: {e}") from None
             for k, (index, data) in enumerate(leaf.shards):
-                pending.append((store[index].write(data), leaf, chunk_file(array_dir, leaf, index), data.nbytes))
+                files = [chunk_path(array_dir, c) for c in chunk_coords(region_of(index, leaf.shape), leaf.chunk)]
+                pending.append((store[index].write(data), leaf, files, data.nbytes))
                 leaf.shards[k] = (index, None)  # the future keeps the data alive until written
                 in_flight += data.nbytes
                 while in_flight > inflight_bytes and pending:

@@ -45,7 +45,7 @@ def _array_spec(path: pathlib.Path, shape: tuple[int, ...], dtype: str) -> dict:
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
     inner = max(1, _INNER_BYTES // max(row_bytes, 1))
     outer = max(inner, -(-max(shape[0], 1) // inner) * inner)  # a multiple of inner covering every row
-    return array_spec(path, shape, dtype, outer=[outer, *shape[1:]], inner=[inner, *shape[1:]])
+    return array_spec(path, shape, dtype, chunk=[outer, *shape[1:]], inner=[inner, *shape[1:]])
 
 
 class StoreWriter:

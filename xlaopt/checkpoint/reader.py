@@ -1,0 +1,111 @@
+"""Read regions of saved arrays straight from their chunk files, in parallel.
+
+A chunk file (zarr3, codecs `bytes` + `crc32c`) is the chunk's little-endian bytes followed by
+their crc32c, so a read is one `pread` and a hardware checksum. On a small host tensorstore's
+generic read path costs more CPU than the disk costs time (here: 1.1 GB/s warm without
+checksums, 0.5-0.7 GB/s with, against 6 GB/s for pread), so restores read the files
+themselves; `xlaopt ckpt verify` reads through tensorstore, an independent check.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pathlib
+
+import google_crc32c
+import jax.numpy as jnp
+import numpy as np
+
+from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
+from xlaopt.checkpoint.writer import chunk_coords, chunk_path
+
+_THREADS = 8
+_ALIGN = 4096  # page-aligned host buffers: JAX's CPU client adopts them without a copy
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    offset = (-raw.ctypes.data) % _ALIGN
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def _read_chunk(path: pathlib.Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = aligned_empty((nbytes + 4,), np.uint8)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"{name}: chunk file {path} is missing") from None
+    try:
+        done = 0
+        while done < buf.size:
+            n = os.preadv(fd, [memoryview(buf)[done:]], done)
+            if n == 0:
+                raise CheckpointError(f"{name}: {path} holds {done} bytes, a chunk needs {buf.size} (truncated)")
+            done += n
+        if os.fstat(fd).st_size != buf.size:
+            raise CheckpointError(f"{name}: {path} holds {os.fstat(fd).st_size} bytes, a chunk needs {buf.size}")
+    finally:
+        os.close(fd)
+    data = buf[:nbytes]
+    data.flags.writeable = False  # google_crc32c reads only read-only buffers
+    stored, computed = int.from_bytes(buf[nbytes:].tobytes(), "little"), google_crc32c.value(data)
+    if stored != computed:
+        raise CheckpointError(f"{name}: checksum mismatch in {path} (stored {stored:#010x}, computed "
+                              f"{computed:#010x}); the file is corrupted")
+    data.flags.writeable = True
+    return data.view(dtype).reshape(shape)
+
+
+class StepReader:
+    """Chunk reads of one committed step, queued on a thread pool in the order asked."""
+
+    def __init__(self, step_dir: pathlib.Path, manifest: dict):
+        self.step_dir = step_dir
+        self.leaves = {leaf["name"]: leaf for leaf in manifest["leaves"]}
+        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="ckpt-read")
+        self._chunks: dict = {}
+        self._dirs: dict[str, pathlib.Path] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def request(self, name: str, region) -> None:
+        """Start reading every chunk `region` ((start, stop) per dim) of leaf `name` touches."""
+        leaf = self.leaves[name]
+        if name not in self._dirs:
+            self._dirs[name] = confined(self.step_dir, f"{ARRAYS}/{name}")
+        array_dir, dtype = self._dirs[name], jnp.dtype(leaf["dtype"])
+        for coords in chunk_coords(region, leaf["chunk"]):
+            if (name, coords) not in self._chunks:
+                self._chunks[name, coords] = self._pool.submit(
+                    _read_chunk, chunk_path(array_dir, coords), name, tuple(leaf["chunk"]), dtype)
+
+    def region(self, name: str, region) -> np.ndarray:
+        """The region's values (requesting it first if needed); reuses a chunk read as is when
+        the region is exactly that chunk."""
+        self.request(name, region)
+        leaf = self.leaves[name]
+        chunk = leaf["chunk"]
+        coords = chunk_coords(region, chunk)
+        shape = tuple(stop - start for start, stop in region)
+        if len(coords) == 1 and tuple(chunk) == shape:
+            return self._chunks[name, coords[0]].result()
+        out = aligned_empty(shape, jnp.dtype(leaf["dtype"]))
+        for c in coords:
+            data = self._chunks[name, c].result()
+            origin = [i * n for i, n in zip(c, chunk)]
+            dst, src = [], []
+            for (start, stop), o, n in zip(region, origin, chunk):
+                lo, hi = max(start, o), min(stop, o + n)
+                dst.append(slice(lo - start, hi - start))
+                src.append(slice(lo - o, hi - o))
+            out[tuple(dst)] = data[tuple(src)]
+        return out
+
+    def release(self, name: str) -> None:
+        """Forget the chunk reads of leaf `name` (its arrays are built)."""
+        for key in [k for k in self._chunks if k[0] == name]:
+            del self._chunks[key]
