@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
                    help="save every K steps (default: only after the last step)")
     p.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N checkpoints (default 3)")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K",
+                   help="also keep every checkpoint whose step is a multiple of K")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt DIR, or start fresh when there is none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -163,7 +165,7 @@ def cmd_train(args) -> int:
             raise UserError(f"--ckpt-every {args.ckpt_every}: must be a positive number of steps")
         from xlaopt.train import CheckpointOptions
 
-        ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep)
+        ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep, args.keep_every)
     elif args.resume or args.ckpt_every is not None:
         raise UserError("--resume and --ckpt-every need --ckpt DIR")
     program, passes = _apply_pipeline(args, program, args.dump_hlo)

@@ -35,6 +35,7 @@ class CheckpointOptions:
     every: int | None = None
     resume: bool = False
     keep_last: int = 3
+    keep_every: int | None = None
 
     def due(self, done: int, steps: int) -> bool:
         return done == steps or (self.every is not None and done % self.every == 0)
@@ -73,7 +74,7 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     """
     manager = resumed = None
     if ckpt is not None:
-        manager = CheckpointManager(ckpt.directory, Retention(keep_last=ckpt.keep_last))
+        manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
         resumed = manager.latest() if ckpt.resume else None
         if resumed is not None:  # a checkpoint of another run is refused before compiling
             _check_same_run(manager.manifest(resumed)["meta"], program, ckpt.directory)
