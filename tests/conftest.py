@@ -1,6 +1,9 @@
 """Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
 import os
+import tempfile
 
+# Default sample stores made on first use go to a per-session directory, not the user's cache.
+os.environ.setdefault("XLAOPT_CACHE", tempfile.mkdtemp(prefix="xlaopt-test-cache-"))
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402

@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model on synthetic data on a (simulated) device mesh")
     _program_args(p, "bfloat16")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--data", default=None, metavar="DIR",
-                   help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; without it, "
-                        "batches come from the in-memory synthetic stream")
+    p.add_argument("--data", default=None, metavar="DIR|memory",
+                   help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; default: a synthetic "
+                        "store made on first use under $XLAOPT_CACHE (~/.cache/xlaopt); `memory`: the "
+                        "in-memory synthetic stream. Decoder models train on the in-memory text stream")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="save checkpoints (state and data position) here")
     p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
                    help="save every K steps (default: only after the last step)")
@@ -116,8 +117,16 @@ def _program_on_devices(args):
 
     mesh = MeshSpec.parse(args.mesh)
     config = get_config(args.model, parse_overrides(args.model, args.set))
+    request_cpu_devices(mesh.num_devices)
+    make_mesh(mesh)  # enough devices? say so before any compilation or data making
     default = family_of(config).default_batch
-    if getattr(args, "data", None) is not None:
+    data = getattr(args, "data", "memory")  # only `train` reads data
+    if data is None and config.family == "cosmos3":
+        from xlaopt.data.synthetic_store import default_store
+
+        data = str(default_store(config))
+    args.data = data = None if data == "memory" else data
+    if data is not None:
         if config.family != "cosmos3":
             raise UserError(f"--data: sample stores hold Cosmos 3 samples; {args.model} trains on synthetic text")
         from xlaopt.data.loader import split_budget
@@ -131,10 +140,7 @@ def _program_on_devices(args):
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
-    program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
-    request_cpu_devices(mesh.num_devices)
-    make_mesh(mesh)  # enough devices? say so before any compilation
-    return program
+    return TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
 
 
 def _apply_pipeline(args, program, dump_dir):
@@ -244,21 +250,12 @@ def _human(n: int) -> str:
 
 
 def cmd_data(args) -> int:
-    import numpy as np
-
-    from xlaopt.data.store import SampleStore, StoreWriter
+    from xlaopt.data.store import SampleStore
 
     if args.data_command == "make":
-        from xlaopt.data.synthetic_cosmos import CosmosSamples
+        from xlaopt.data.synthetic_store import make_store
 
-        config = get_config(args.model)
-        if config.family != "cosmos3":
-            raise UserError(f"--model {args.model}: synthetic stores hold Cosmos 3 samples; pick a cosmos3-* model")
-        if args.samples < 1:
-            raise UserError(f"--samples {args.samples}: need at least one sample")
-        generator, rng = CosmosSamples(config, args.seed), np.random.default_rng(args.seed)
-        writer = StoreWriter(args.dir, generator.widths(), shard_bytes=int(args.shard_mb * 2**20))
-        manifest = writer.add_all(generator.draw(rng) for _ in range(args.samples)).close()
+        manifest = make_store(args.dir, get_config(args.model), args.samples, args.seed, int(args.shard_mb * 2**20))
     else:
         manifest = SampleStore(args.dir).manifest
         _write_json(args.json, manifest)

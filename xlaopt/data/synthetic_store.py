@@ -1,0 +1,56 @@
+"""Synthetic Cosmos-like sample stores: written on request (`xlaopt data make`) or, as the
+default data of `xlaopt train`, once per model shape in a cache directory on first use."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import numpy as np
+
+from xlaopt.data.store import StoreWriter
+from xlaopt.data.synthetic_cosmos import CosmosSamples
+from xlaopt.errors import UserError
+from xlaopt.models.cosmos3_config import Cosmos3Config
+
+DEFAULT_SAMPLES = 20_000
+# The config fields the synthetic samples depend on; other fields (depth, width) share a store.
+_DATA_FIELDS = ("vocab_size", "generator_in_dim", "latent_patch_dim", "action_dim", "sound_dim",
+                "num_action_domains")
+
+
+def make_store(directory, config: Cosmos3Config, samples: int = DEFAULT_SAMPLES, seed: int = 0,
+               shard_bytes: int = 64 << 20) -> dict:
+    """Write `samples` synthetic samples for `config`; returns the manifest."""
+    if config.family != "cosmos3":
+        raise UserError(f"--model {config.name}: synthetic stores hold Cosmos 3 samples; pick a cosmos3-* model")
+    if samples < 1:
+        raise UserError(f"--samples {samples}: need at least one sample")
+    generator, rng = CosmosSamples(config, seed), np.random.default_rng(seed)
+    writer = StoreWriter(directory, generator.widths(), shard_bytes=shard_bytes)
+    return writer.add_all(generator.draw(rng) for _ in range(samples)).close()
+
+
+def cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("XLAOPT_CACHE") or pathlib.Path.home() / ".cache" / "xlaopt")
+
+
+def default_store(config: Cosmos3Config, seed: int = 0, samples: int = DEFAULT_SAMPLES) -> pathlib.Path:
+    """The default store for `config`'s data shape, made on first use (written under a
+    temporary name and renamed, so a crash or a concurrent run never sees half a store)."""
+    key = json.dumps({f: getattr(config, f) for f in _DATA_FIELDS} | {"seed": seed, "samples": samples},
+                     sort_keys=True)
+    name = f"{config.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    path = cache_root() / "stores" / name
+    if (path / "manifest.json").exists():
+        return path
+    tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_store(tmp, config, samples, seed)
+    try:
+        tmp.rename(path)
+    except OSError:  # another run made it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
