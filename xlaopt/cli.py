@@ -59,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="compile one step and list its collectives and memory (nothing runs)")
     _program_args(p, "bfloat16")
     p.add_argument("--topology", default=None, help="map collectives to link levels, e.g. h100:2x4 or a TOML/JSON file")
+    p = sub.add_parser("analyze", help="compile one step from abstract parameters and price it on a cluster "
+                                       "topology: step time, MFU, exposed communication, memory")
+    _program_args(p, "bfloat16")
+    p.add_argument("--topology", required=True,
+                   help="cluster to price on: PRESET:NODESxDEVICES (h100:16x8) or a TOML/JSON file")
+    p.add_argument("--target", default="cpu", choices=("cpu", "gpu"),
+                   help="compile with XLA's CPU pipeline on simulated devices (default), or deviceless for the "
+                        "topology's GPUs (needs xlaopt[gpu-aot])")
+    p.add_argument("--trace", default=None, metavar="OUT.json",
+                   help="write the simulated timeline as a Chrome/Perfetto trace (ui.perfetto.dev)")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -156,7 +166,7 @@ def _apply_pipeline(args, program, dump_dir):
 def _write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(result, f, indent=2, default=str)
 
 
 def cmd_train(args) -> int:
@@ -214,6 +224,39 @@ def cmd_inspect(args) -> int:
     report = inspect_program(program, topology)
     print(format_report(report))
     _write_json(args.json, dict(report, passes=passes))
+    return 0
+
+
+def cmd_analyze(args) -> int:
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.families import family_of
+    from xlaopt.program import TrainProgram, TrainSettings
+    from xlaopt.topology import parse_topology
+
+    topology = parse_topology(args.topology)
+    mesh = MeshSpec.parse(args.mesh)
+    if mesh.num_devices > topology.num_devices:
+        raise UserError(f"mesh {mesh} needs {mesh.num_devices} devices but topology {topology.name} has "
+                        f"{topology.num_devices}; use a smaller mesh or a larger topology")
+    if args.target == "cpu":
+        request_cpu_devices(mesh.num_devices)  # one simulated device per mesh device (at most 512)
+    else:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
+    from xlaopt.analyze import analysis_batch_size, analyze, format_analysis
+
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    default = family_of(config).default_batch
+    pick = lambda value, fallback: fallback if value is None else value
+    batch = BatchShape(analysis_batch_size(mesh, default.batch_size, args.batch_size),
+                       pick(args.text_len, default.text_len), pick(args.gen_len, default.gen_len))
+    program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    program, passes = _apply_pipeline(args, program, None)
+    result = analyze(program, topology, args.target, args.trace, args.dump_hlo)
+    result["passes"] = passes
+    print(format_analysis(result))
+    _write_json(args.json, result)
     return 0
 
 
@@ -321,7 +364,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "models": cmd_models,
+_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "analyze": cmd_analyze, "models": cmd_models,
              "passes": cmd_passes, "data": cmd_data, "ckpt": cmd_ckpt, "bench": cmd_bench,
              "calibrate": cmd_calibrate}
 

@@ -172,6 +172,11 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topolog
 
 def _collective_bytes(kind: str, op: str, result_type: str, group_size: int) -> int:
     """Compiled HLO names operands without their types, so bytes come from the result type."""
+    if op.endswith("-start") and kind in ("all-gather", "reduce-scatter") and (
+            kind == "reduce-scatter" or result_type.lstrip().startswith("((")):
+        # A (combined) async result is ((operands...), (results...)): results are n times the
+        # operands for a gather, 1/n of them for a scatter; V is the larger side in both.
+        return shape_bytes(result_type) * group_size // (group_size + 1)
     if op.endswith("-start") and kind in ("all-gather", "collective-permute"):
         # The async result is a tuple (operand, result[, scratch]): the largest is the result.
         return max((shape_bytes(f"{d}[{dims}]") for d, dims in _SHAPE.findall(result_type)), default=0)

@@ -77,7 +77,8 @@ def request_cpu_devices(count: int) -> None:
     """
     if count > MAX_SIMULATED_DEVICES:
         raise MeshError(f"mesh needs {count} devices; at most {MAX_SIMULATED_DEVICES} simulated CPU devices "
-                        f"are allowed. Use a smaller mesh (analysis of larger meshes needs no devices).")
+                        f"are allowed. Use a smaller mesh, or price a larger one with `xlaopt analyze --target gpu` "
+                        f"(no devices needed).")
     import jax
     try:
         jax.config.update("jax_num_cpu_devices", count)

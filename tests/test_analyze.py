@@ -1,0 +1,68 @@
+"""`analyze`: the tiny model's step compiled from abstract parameters on a small mesh and priced on
+an H100 topology, with every key the CLI's JSON promises; bad input named clearly."""
+import json
+
+import pytest
+
+from xlaopt.analyze import analyze, format_analysis
+from xlaopt.cli import main
+from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+from xlaopt.mesh import MeshSpec
+from xlaopt.pipeline import pipeline, run_pipeline
+from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.topology import parse_topology
+
+from conftest import needs_devices
+
+REQUIRED = ("step_time_s", "mfu", "exposed_comm_s", "comm_by_axis", "memory_per_device_bytes", "collectives")
+
+
+@pytest.fixture(scope="module")
+def tiny_fsdp2(tiny_config):
+    program = TrainProgram(tiny_config, MeshSpec.parse("fsdp=2"),
+                           settings=TrainSettings(batch=BatchShape(2, 48, 96)))
+    program, _ = run_pipeline(program, pipeline())
+    return program
+
+
+@needs_devices(2)
+def test_analyze_tiny_on_h100(tiny_fsdp2, tmp_path):
+    trace = tmp_path / "trace.json"
+    result = analyze(tiny_fsdp2, parse_topology("h100:1x8"), "cpu", str(trace))
+    assert set(REQUIRED) <= set(result)
+    json.dumps(result)  # JSON-ready
+    assert 0 < result["mfu"] < 1
+    # The CPU schedule overlaps nothing: every collective is exposed, the step is serial.
+    assert result["exposed_comm_s"] == pytest.approx(result["comm_s"], rel=1e-9) and result["comm_s"] > 0
+    assert result["step_time_s"] == pytest.approx(result["compute_s"] + result["comm_s"], rel=1e-9)
+    assert set(result["comm_by_axis"]) == {"fsdp"}  # fsdp=2: the only axis that communicates
+    assert result["comm_by_axis"]["fsdp"]["bytes"] > 0
+    mem = result["memory_per_device_bytes"]
+    assert mem["arguments"] > 0 and mem["peak_estimate"] >= mem["arguments"] and result["fits_hbm"]
+    kinds = {c["kind"] for c in result["collectives"]}
+    assert "all-gather" in kinds and all(c["link_level"] == "nvlink4" for c in result["collectives"])
+    # the step's matmul FLOPs (with recomputation) are at least the model's FLOPs
+    assert result["hlo_matmul_flops_per_step"] >= result["model_flops_per_step"] * 0.9
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" for e in events)
+    text = format_analysis(result)
+    assert "step time" in text and "MFU" in text and "fsdp" in text
+
+
+def test_mesh_larger_than_topology_names_both(tiny_config, capsys):
+    program = TrainProgram(tiny_config, MeshSpec.parse("fsdp=8"))
+    with pytest.raises(UserError, match=r"fsdp=8.*8 devices.*h100:1x4.*4"):
+        analyze(program, parse_topology("h100:1x4"))
+    assert main(["analyze", "--model", "cosmos3-tiny", "--mesh", "data=2,fsdp=8", "--topology", "h100:1x8"]) == 2
+    assert "data=2,fsdp=8 needs 16 devices but topology h100:1x8 has 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mesh", "fsdp=1024", "--topology", "h100:128x8"], "at most 512 simulated CPU devices"),
+    (["--mesh", "fsdp=8", "--topology", "tpu9:1x8"], "unknown topology preset 'tpu9'"),
+])
+def test_cpu_target_mesh_cap_and_unknown_topology(argv, message, capsys):
+    assert main(["analyze", "--model", "cosmos3-tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

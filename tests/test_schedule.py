@@ -1,0 +1,176 @@
+"""The schedule read from compiled HLO: exact matmul FLOPs from shapes, loop bodies expanded by
+trip count, async pairs and what runs between them, and the CPU-pipeline artefacts recognised."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from xlaopt.schedule import build_schedule
+
+# A scheduled module in the syntax `compiled.as_text()` prints: operands without types, fused
+# computations first, ENTRY last.
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_dot (param_0: f32[64,128], param_1: f32[128,32]) -> f32[64,32] {
+  %param_0 = f32[64,128]{1,0} parameter(0)
+  %param_1 = f32[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[64,128])) -> (s32[], f32[64,128]) {
+  %p = (s32[], f32[64,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,128]{1,0} get-tuple-element(%p), index=1
+  %w = f32[128,128]{1,0} constant({...})
+  %d = f32[64,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[64,128]{1,0}) tuple(%i, %d)
+}
+
+%cond (p.1: (s32[], f32[64,128])) -> pred[] {
+  %p.1 = (s32[], f32[64,128]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_rs (q: f32[64,128]) -> f32[32,128] {
+  %q = f32[64,128]{1,0} parameter(0)
+  ROOT %rs = f32[32,128]{1,0} reduce-scatter(%q), channel_id=3, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (x: f32[64,128], w: f32[128,32], g: f32[32,128]) -> f32[64,32] {
+  %x = f32[64,128]{1,0} parameter(0)
+  %w = f32[128,32]{1,0} parameter(1)
+  %g = f32[32,128]{1,0} parameter(2)
+  %ag-start = (f32[32,128]{1,0}, f32[64,128]{1,0}) all-gather-start(%g), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+  %f = f32[64,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %ag-done = f32[64,128]{1,0} all-gather-done(%ag-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64,128]{1,0}) tuple(%zero, %ag-done)
+  %loop = (s32[], f32[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[64,128]{1,0} get-tuple-element(%loop), index=1
+  %rs-start = ((f32[64,128]{1,0}), f32[32,128]{1,0}) async-start(%y), calls=%wrapped_rs
+  %rs-done = f32[32,128]{1,0} async-done(%rs-start)
+  %ar = f32[64,32]{1,0} all-reduce(%f), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  ROOT %out = f32[64,32]{1,0} add(%ar, %ar)
+}
+"""
+
+
+def test_dot_flops_fusions_and_loops_from_shapes():
+    s = build_schedule(HLO)
+    by_name = {}
+    for op in s.ops:
+        by_name.setdefault(op.name, []).append(op)
+    assert by_name["f"][0].flops == 2 * 64 * 32 * 128  # fusion: its fused dot
+    assert by_name["f"][0].dtype == "f32"
+    assert len(by_name["d"]) == 3  # the while body, expanded by its trip count
+    assert by_name["d"][0].flops == 2 * 64 * 128 * 128
+    assert s.flops == 2 * 64 * 32 * 128 + 3 * 2 * 64 * 128 * 128
+    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 3, "known": True}]
+    # bytes: operands + result of the fusion
+    assert by_name["f"][0].bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
+
+
+def test_collective_kinds_and_async_windows():
+    s = build_schedule(HLO)
+    kinds = [(op.name, op.kind) for op in s.ops if op.kind != "free" and op.kind != "compute"]
+    assert kinds == [("ag-start", "collective-start"), ("ag-done", "collective-done"),
+                     ("rs-start", "collective-start"), ("rs-done", "collective-done"), ("ar", "collective")]
+    ag = next(op for op in s.ops if op.name == "ag-start").collective
+    assert (ag.kind, ag.bytes, ag.replica_groups) == ("all-gather", 64 * 128 * 4, ((0, 1),))
+    rs = next(op for op in s.ops if op.name == "rs-start").collective  # async-start wrapping reduce-scatter
+    assert (rs.kind, rs.bytes) == ("reduce-scatter", 64 * 128 * 4)
+    windows = {w["start"]: w for w in s.async_windows()}
+    assert windows["ag-start"]["compute_ops_between"] == 1
+    assert windows["ag-start"]["flops_between"] == 2 * 64 * 32 * 128
+    assert windows["rs-start"]["ops_between"] == 0
+
+
+CPU_ARTEFACTS = """HloModule m, is_scheduled=true
+
+%widen (p0: f32[32,64]) -> f32[32,64] {
+  %p0 = f32[32,64]{1,0} parameter(0)
+  %c0 = bf16[32,64]{1,0} convert(%p0)
+  ROOT %c1 = f32[32,64]{1,0} convert(%c0)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (w: f32[32,64], g: f32[256,64], i: s32[]) -> (f32[256,64], f32[32,64]) {
+  %w = f32[32,64]{1,0} parameter(0)
+  %g = f32[256,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %rt = f32[32,64]{1,0} fusion(%w), kind=kLoop, calls=%widen
+  %ag = f32[256,64]{1,0} all-gather(%rt), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %ar = f32[256,64]{1,0} all-reduce(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  %z = s32[] constant(0)
+  %mine = f32[32,64]{1,0} dynamic-slice(%ar, %i, %z), dynamic_slice_sizes={32,64}
+  ROOT %t = (f32[256,64]{1,0}, f32[32,64]{1,0}) tuple(%ag, %mine)
+}
+"""
+
+
+def test_cpu_widening_and_all_reduce_plus_slice_are_recognised():
+    ops = {op.name: op for op in build_schedule(CPU_ARTEFACTS).ops}
+    assert ops["rt"].widening_roundtrip
+    ag = ops["ag"].collective
+    assert (ag.bytes, ag.narrow_bytes) == (256 * 64 * 4, 256 * 64 * 2)  # gathered value is bf16-exact
+    ar = ops["ar"].collective
+    assert ar.scattered_fraction == 1.0  # only this device's 1/8 is kept: a reduce-scatter
+    assert ar.narrow_bytes == ar.bytes  # its operand is not a widened value
+
+
+def test_exact_flops_of_a_compiled_dot():
+    """The same count from XLA's own compiled text (CPU)."""
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b))
+    text = f.lower(jax.ShapeDtypeStruct((96, 80), jnp.float32),
+                   jax.ShapeDtypeStruct((80, 48), jnp.float32)).compile().as_text()
+    s = build_schedule(text)
+    assert s.flops == 2 * 96 * 48 * 80
+
+
+def test_compiled_batched_dot_with_while_loop():
+    def body(i, x):
+        return jnp.einsum("bij,bjk->bik", x, x)
+
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, 4, body, x))
+    text = f.lower(jax.ShapeDtypeStruct((3, 16, 16), jnp.float32)).compile().as_text()
+    s = build_schedule(text)
+    assert s.flops == pytest.approx(4 * 2 * 3 * 16 * 16 * 16)
+
+
+def test_async_combined_reduce_scatter_and_all_gather_bytes():
+    """GPU async starts return ((operands...), (results...)); V is the whole arrays."""
+    text = """HloModule m, is_scheduled=true
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}
+
+ENTRY %main (x: bf16[64,16], y: bf16[32,16], u: bf16[8,16], v: bf16[4,16]) -> bf16[8,16] {
+  %x = bf16[64,16]{1,0} parameter(0)
+  %y = bf16[32,16]{1,0} parameter(1)
+  %u = bf16[8,16]{1,0} parameter(2)
+  %v = bf16[4,16]{1,0} parameter(3)
+  %rs = ((bf16[64,16]{1,0}, bf16[32,16]{1,0}), (bf16[8,16]{1,0}, bf16[4,16]{1,0})) reduce-scatter-start(%x, %y), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %rsd = (bf16[8,16]{1,0}, bf16[4,16]{1,0}) reduce-scatter-done(%rs)
+  %ag = ((bf16[8,16]{1,0}, bf16[4,16]{1,0}), (bf16[64,16]{1,0}, bf16[32,16]{1,0})) all-gather-start(%u, %v), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = (bf16[64,16]{1,0}, bf16[32,16]{1,0}) all-gather-done(%ag)
+  ROOT %r = bf16[8,16]{1,0} get-tuple-element(%rsd), index=0
+}
+"""
+    ops = {op.name: op for op in build_schedule(text).ops}
+    assert ops["rs"].collective.bytes == (64 + 32) * 16 * 2
+    assert ops["ag"].collective.bytes == (64 + 32) * 16 * 2
