@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from xlaopt.data.batch import BatchShape
-from xlaopt.data.loader import Loader, LoaderError, LoaderState, Planner, split_budget
+from xlaopt.data.loader import Loader, LoaderError, LoaderState, Planner, best_fill, split_budget
 from xlaopt.data.store import SampleStore, StoreWriter
 from xlaopt.data.synthetic_cosmos import CosmosSamples
 
@@ -43,6 +43,41 @@ def test_no_sample_lost_or_repeated_and_rows_within_budget(store):
     stream = np.concatenate(perms[:-1] + [perms[-1][: state.cursor]])
     assert sorted(placed + list(state.waiting)) == sorted(stream.tolist())
     assert len(placed) > 2 * len(lengths) - 100  # and the waiting line stays short
+
+
+def test_padding_within_3_percent_on_the_synthetic_mix(tiny_config):
+    """The default row (144 tokens, split by the mean lengths) over a whole epoch of the mix."""
+    gen, rng = CosmosSamples(tiny_config, 0), np.random.default_rng(4)
+    lengths = np.array([(s.n_text, s.n_gen) for s in (gen.draw(rng) for _ in range(4000))], np.int64)
+    shape = BatchShape(8, *split_budget(144, *lengths.mean(axis=0)))
+    planner, state, real, batches = Planner(lengths, shape, seed=0), LoaderState(), 0, 0
+    while state.epoch < 1:
+        rows, state = planner.plan(state)
+        real, batches = real + sum(int(lengths[row].sum()) for row in rows), batches + 1
+    assert 1 - real / (batches * shape.tokens) <= 0.03
+
+
+def test_the_head_of_the_waiting_line_goes_next(store):
+    """So no sample waits forever: the oldest waiting sample is in the very next batch."""
+    planner, state = Planner(store.lengths(), SHAPE, seed=1), LoaderState()
+    for _ in range(60):
+        head = state.waiting[:1]
+        rows, state = planner.plan(state)
+        assert set(head) <= {i for row in rows for i in row}
+
+
+def test_best_fill_fills_exactly_within_room_and_prefers_earlier():
+    need = np.array([[5, 40], [5, 40], [3, 10], [2, 10], [4, 7], [1, 1]])
+    picked = best_fill(need, np.array([10, 60]))
+    assert need[picked].sum(axis=0).tolist() == [10, 60] and picked.tolist() == [0, 2, 3]
+    assert best_fill(need, np.array([0, 0])).tolist() == []
+    assert best_fill(need[:0], np.array([10, 60])).tolist() == []
+    # A room too large for the exact table is narrowed (and if need be coarsened), never overfilled.
+    rng = np.random.default_rng(0)
+    many = np.stack([rng.integers(1, 40, 300), rng.integers(0, 400, 300)], axis=1)
+    for room in ([500, 7000], [3, 9000], [9000, 3]):
+        picked = best_fill(many, np.array(room), max_cells=1 << 10)
+        assert (many[picked].sum(axis=0) <= room).all() and len(set(picked.tolist())) == len(picked)
 
 
 def test_resume_mid_epoch_gives_the_same_sequence(store, tiny_config):
@@ -108,5 +143,8 @@ def test_train_reads_the_store(store, tmp_path):
     result = json.loads(out.read_text())
     assert rc == 0 and result["data"]["store"] == str(store.dir) and result["data"]["state"]["batches"] == 3
     stats = store.manifest["stats"]
-    assert result["batch"]["text_len"] == split_budget(144, stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])[0]
+    from xlaopt.families import FAMILIES
+
+    row = FAMILIES["cosmos3"].default_batch.text_len + FAMILIES["cosmos3"].default_batch.gen_len
+    assert result["batch"]["text_len"] == split_budget(row, stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])[0]
     assert 0 <= result["padding_fraction"] < 0.25

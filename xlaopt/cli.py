@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices the tree is sharded over")
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: /tmp)")
     p.add_argument("--json", default=None, metavar="OUT")
+    p = bench.add_parser("data", help="the xlaopt loader vs Grain feeding the same cosmos3-tiny training step")
+    p.add_argument("--store", default=None, metavar="DIR", help="a sample store (default: a synthetic one in a temp dir)")
+    p.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    p.add_argument("--json", default=None, metavar="OUT")
     return parser
 
 
@@ -353,13 +358,16 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    if args.devices < 1:
-        raise UserError(f"--devices {args.devices}: need at least one device")
-    request_cpu_devices(args.devices)
-    from xlaopt.benchmarks import checkpoint
-
-    result = checkpoint.run(args.size_gb, args.repeats, args.dir, progress=print)
-    print(checkpoint.format_table(result))
+    if args.bench_command == "data":
+        from xlaopt.benchmarks import data as bench
+        result = bench.run(args.store, args.steps, args.repeats, progress=print)
+    else:
+        if args.devices < 1:
+            raise UserError(f"--devices {args.devices}: need at least one device")
+        request_cpu_devices(args.devices)
+        from xlaopt.benchmarks import checkpoint as bench
+        result = bench.run(args.size_gb, args.repeats, args.dir, progress=print)
+    print(bench.format_table(result))
     _write_json(args.json, result)
     return 0
 

@@ -2,8 +2,9 @@
 
 Planning is global and cheap: from the store's index alone (token counts, no latent bytes)
 every process computes the same sequence of global batches (a seeded permutation per
-epoch, best-fit packing of samples into rows with a text budget and a generator budget;
-a sample that fits no row yet waits, first in line, for the next batch). Reading is local:
+epoch; rows with a text budget and a generator budget, each seeded with the oldest sample
+of a lookahead window twice the batch's capacity and filled with the subset of the window
+that fills it best; what no row took waits, first in line, for the next batch). Reading is local:
 each process reads only the samples of its own rows. The state after a batch is
 (epoch, cursor, waiting samples, batches), the same on every process, so a run resumes on
 the exact next sample, also on a different process count.
@@ -29,7 +30,8 @@ from xlaopt.errors import UserError
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 RESOLUTION_SHIFT = 3.0
-_WINDOW = 1.5  # a batch is planned from samples holding 1.5x its token capacity
+_WINDOW = 2.0  # a batch is planned from samples holding twice its text and its generator budget
+_FILL_CELLS = 1 << 14  # largest (text x generator) table `best_fill` searches exactly
 
 
 class LoaderError(UserError):
@@ -63,7 +65,14 @@ class Planner:
             raise LoaderError(f"sample {i} has {lengths[i, 0]} text and {lengths[i, 1]} generator tokens, more "
                               f"than a row holds ({shape.text_len}, {shape.gen_len}) ({int(too_long.sum())} such "
                               f"samples); raise --text-len/--gen-len or skip them with skip_oversize=True")
+        if too_long.all():
+            raise LoaderError(f"no sample fits a row of ({shape.text_len}, {shape.gen_len}) text and generator "
+                              f"tokens; raise --text-len/--gen-len")
         self._too_long = too_long
+        # A window holds `_WINDOW` batches' worth of text and of generator tokens; a mix short of
+        # one kind stops it at 4x the samples that holds on average.
+        mean = max(float(lengths[~too_long].sum(axis=1).mean()), 1.0)
+        self._max_window = math.ceil(4 * _WINDOW * shape.tokens / mean)
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -88,38 +97,88 @@ class Planner:
         """Rows of sample ids for the next global batch, and the state after it.
 
         The window is the waiting samples plus new ones until it holds `_WINDOW` times the
-        batch's token capacity. Waiting samples are placed first (so none waits forever),
-        then the rest largest first; each goes to the row whose free (text, generator)
-        capacity points most its way (the dot-product rule for two-dimensional bins, which
-        keeps text-heavy and generator-heavy samples from stranding each other's budget).
-        What fits nowhere waits, in stream order, for the next batch."""
+        batch's text budget and its generator budget, in stream order (so the oldest first).
+        Each row in turn is seeded with the oldest unplaced sample (so the head of the
+        waiting line leaves with every batch, `batch_size` at a time, and none waits more
+        than len(waiting) / batch_size batches), then filled by `best_fill`: the subset of
+        the other unplaced samples that fills the row's (text, generator) room the most,
+        exactly when one exists, preferring older samples. What no row took waits, in
+        stream order, for the next batch."""
         B, T, V = self.shape.batch_size, self.shape.text_len, self.shape.gen_len
         s = dataclasses.asdict(state)
         window = list(state.waiting)
-        n_waiting = len(window)
-        tokens = int(self.lengths[window].sum()) if window else 0
-        while tokens < _WINDOW * B * (T + V):
+        want = _WINDOW * B * np.array([T, V])
+        tokens = self.lengths[window].sum(axis=0)
+        while (tokens < want).any() and len(window) < self._max_window:
             i = self._next(s)
             window.append(i)
-            tokens += int(self.lengths[i].sum())
-        scale = np.array([T, V], np.float64)
-        need = self.lengths[window] / scale
-        order = sorted(range(len(window)), key=lambda k: (k >= n_waiting, -need[k].sum(), k))
-        rows: list[list[int]] = [[] for _ in range(B)]
-        free = np.array([[T, V]] * B, np.int64)
-        placed = set()
-        for k in order:
-            left = free - self.lengths[window[k]]
-            ok = (left >= 0).all(axis=1)
-            if ok.any():
-                row = int(np.argmax(np.where(ok, (free / scale) @ need[k], -np.inf)))
-                rows[row].append(k)
-                free[row] = left[row]
-                placed.add(k)
-        s["waiting"] = tuple(i for k, i in enumerate(window) if k not in placed)
+            tokens = tokens + self.lengths[i]
+        need = self.lengths[window]
+        free = np.ones(len(window), bool)
+        rows: list[list[int]] = []
+        for _ in range(B):
+            row: list[int] = []
+            room = np.array([T, V], np.int64)
+            if free.any():
+                seed = int(np.argmax(free))  # the oldest unplaced sample fits an empty row
+                row.append(seed)
+                free[seed] = False
+                room -= need[seed]
+            candidates = np.flatnonzero(free & (need <= room).all(axis=1))
+            picked = candidates[best_fill(need[candidates], room)]
+            free[picked] = False
+            # Within a row, samples keep stream order (packing order does not change the math).
+            rows.append(sorted(row + picked.tolist()))
+        s["waiting"] = tuple(window[k] for k in np.flatnonzero(free))
         s["batches"] += 1
-        # Within a row, samples keep stream order (packing order does not change the math).
-        return [[window[k] for k in sorted(r)] for r in rows], LoaderState(**s)
+        return [[window[k] for k in r] for r in rows], LoaderState(**s)
+
+
+def best_fill(need: np.ndarray, room: np.ndarray, max_cells: int = _FILL_CELLS) -> np.ndarray:
+    """Indices of a subset of `need` ([n, 2] text and generator tokens, in order of
+    preference) whose sums stay within `room` and fill it the most (in tokens).
+
+    A 0/1 knapsack over the (text, generator) room: reach[t, g] holds the first candidate by
+    which a subset summing to (t, g) was found, so walking back from the best cell gives a
+    subset made of the earliest candidates that can reach it. A room of more than
+    `max_cells` cells is first narrowed by taking candidates in order while they fit; if it
+    is still too large, it is counted in coarser units (lengths rounded up, room rounded
+    down), which keeps every subset within budget at the cost of exactness."""
+    room = np.asarray(room, np.int64).copy()
+    if len(need) == 0 or (room < 0).any():
+        return np.zeros(0, np.int64)
+    taken, rest = [], []
+    for k in range(len(need)):
+        if (room[0] + 1) * (room[1] + 1) > max_cells and (need[k] <= room).all():
+            taken.append(k)
+            room -= need[k]
+        else:
+            rest.append(k)
+    rest = np.asarray(rest, np.int64)
+    rt, rg = int(room[0]), int(room[1])
+    qt = qg = 1
+    if (rt + 1) * (rg + 1) > max_cells:  # split the cells between the axes in proportion to the room
+        nt = int(min(rt + 1, max(2, math.sqrt(max_cells * (rt + 1) / (rg + 1)))))
+        qt, qg = math.ceil((rt + 1) / nt), math.ceil((rg + 1) / max(2, max_cells // nt))
+    size = -(-need[rest] // np.array([qt, qg]))  # lengths rounded up to whole units
+    rt, rg = rt // qt, rg // qg
+    reach = np.full((rt + 1, rg + 1), -1, np.int64)
+    reach[0, 0] = len(rest)
+    for k, (t, g) in enumerate(size.tolist()):
+        if t > rt or g > rg:
+            continue
+        new = (reach[: rt + 1 - t, : rg + 1 - g] >= 0) & (reach[t:, g:] < 0)
+        reach[t:, g:][new] = k
+        if reach[rt, rg] >= 0:  # full: nothing fills it more
+            break
+    ts, gs = np.nonzero(reach >= 0)
+    best = int(np.argmax(ts * qt + gs * qg))  # the most tokens
+    cell = (int(ts[best]), int(gs[best]))
+    while cell != (0, 0):
+        k = int(reach[cell])
+        taken.append(int(rest[k]))
+        cell = (cell[0] - int(size[k, 0]), cell[1] - int(size[k, 1]))
+    return np.asarray(sorted(taken), np.int64)
 
 
 def split_budget(row_tokens: int, mean_text: float, mean_gen: float) -> tuple[int, int]:
@@ -181,12 +240,13 @@ class Loader:
 
     def _read(self, rows: list[list[int]], state: LoaderState) -> dict[str, np.ndarray]:
         out = {k: np.zeros(s, d) for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
+        # One read for all of this process's rows, so tensorstore overlaps every sample's I/O.
+        samples = iter(self.store.read_many([i for row in self._rows for i in rows[row]]))
         for local, row in enumerate(self._rows):
             ids = rows[row]
-            samples = self.store.read_many(ids)
             sigmas = [logit_normal_sigma(np.random.default_rng([self.seed, state.epoch, 1, i]), RESOLUTION_SHIFT)
                       for i in ids]
-            fill_row(out, local, samples, sigmas, self.config)
+            fill_row(out, local, [next(samples) for _ in ids], sigmas, self.config)
         return out
 
     def __iter__(self):

@@ -23,28 +23,45 @@ def fits(samples: Sequence[Sample], sample: Sample, text_len: int, gen_len: int)
             and sum(s.n_gen for s in samples) + sample.n_gen <= gen_len)
 
 
+def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[str, np.ndarray]:
+    """One sample's per-token fields as they sit in a packed row, segment ids aside: text
+    tokens and (3, n_text) mRoPE positions; generator (3, n_gen) positions, modality, action
+    domain, noise mask, flow sigma and latents widened to the generator's input width."""
+    n_text, n_gen = sample.n_text, sample.n_gen
+    t0 = mrope.temporal_offset(n_text, config.temporal_margin)
+    x0 = np.zeros((n_gen, config.generator_in_dim), np.float32)
+    if n_gen:
+        x0[:, : sample.latents.shape[1]] = sample.latents
+    return {
+        "text_tokens": np.asarray(sample.text, np.int32),
+        "text_positions": mrope.text_positions(n_text),
+        "gen_positions": (mrope.video_positions(t0, *sample.grid) if sample.modality == VIDEO
+                          else mrope.clock_positions(t0, n_gen)),
+        "gen_modality": np.full(n_gen, sample.modality, np.int32),
+        "gen_action_domain": np.full(n_gen, sample.domain, np.int32),
+        "gen_noisy": np.arange(n_gen) >= sample.n_clean,
+        "gen_sigma": np.full(n_gen, sigma, np.float32),
+        "gen_x0": x0,
+    }
+
+
 def fill_row(out: dict[str, np.ndarray], row: int, samples: Sequence[Sample], sigmas: Sequence[float],
              config: Cosmos3Config) -> None:
     """Pack `samples` (with their flow sigmas) into row `row` of a zeroed batch `out`."""
-    T, V = out["text_tokens_BT"].shape[1], out["gen_segment_ids_BV"].shape[1]
     t_used = g_used = 0
     for segment, (sample, sigma) in enumerate(zip(samples, sigmas), start=1):
-        n_text, n_gen = sample.n_text, sample.n_gen
-        ts, gs = slice(t_used, t_used + n_text), slice(g_used, g_used + n_gen)
-        out["text_tokens_BT"][row, ts] = sample.text
+        a = sample_arrays(sample, sigma, config)
+        ts, gs = slice(t_used, t_used + sample.n_text), slice(g_used, g_used + sample.n_gen)
+        out["text_tokens_BT"][row, ts] = a["text_tokens"]
         out["text_segment_ids_BT"][row, ts] = segment
-        out["text_positions_3BT"][:, row, ts] = mrope.text_positions(n_text)
-        if n_gen:
-            out["gen_segment_ids_BV"][row, gs] = segment
-            out["gen_modality_BV"][row, gs] = sample.modality
-            out["gen_action_domain_BV"][row, gs] = sample.domain
-            out["gen_noisy_BV"][row, gs] = np.arange(n_gen) >= sample.n_clean
-            out["gen_sigma_BV"][row, gs] = sigma
-            out["gen_x0_BVC"][row, gs, : sample.latents.shape[1]] = sample.latents
-            t0 = mrope.temporal_offset(n_text, config.temporal_margin)
-            out["gen_positions_3BV"][:, row, gs] = (mrope.video_positions(t0, *sample.grid)
-                                                    if sample.modality == VIDEO else mrope.clock_positions(t0, n_gen))
-        t_used, g_used = t_used + n_text, g_used + n_gen
+        out["text_positions_3BT"][:, row, ts] = a["text_positions"]
+        out["gen_segment_ids_BV"][row, gs] = segment
+        out["gen_positions_3BV"][:, row, gs] = a["gen_positions"]
+        out["gen_x0_BVC"][row, gs] = a["gen_x0"]
+        for name in ("gen_modality", "gen_action_domain", "gen_noisy", "gen_sigma"):
+            out[f"{name}_BV"][row, gs] = a[name]
+        t_used, g_used = ts.stop, gs.stop
     # Padding (segment 0) gets positions counting on, as a trailing causal split would.
+    T, V = out["text_tokens_BT"].shape[1], out["gen_segment_ids_BV"].shape[1]
     out["text_positions_3BT"][:, row, t_used:] = np.arange(T - t_used)
     out["gen_positions_3BV"][:, row, g_used:] = np.arange(V - g_used)
