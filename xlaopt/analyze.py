@@ -64,6 +64,13 @@ def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trac
     """Compile `program`'s step for `target`, simulate its schedule on `topology`; JSON-ready.
     `trace`: write the simulated timeline there (Perfetto JSON); `dump_dir`: write the compiled
     (scheduled) HLO there as `analyzed-<target>.compiled.hlo`."""
+    return analyze_with_sim(program, topology, target, trace, dump_dir, keep_timeline=False)[0]
+
+
+def analyze_with_sim(program: TrainProgram, topology: Topology, target: str = "cpu", trace: str | None = None,
+                     dump_dir: str | None = None, keep_timeline: bool = True):
+    """`analyze`, also handing back the `SimResult` it priced (with its event timeline when
+    `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.notebook` draws from it."""
     from xlaopt.families import family_of
     from xlaopt.schedule import build_schedule
     from xlaopt.simulate import bounds, mfu, simulate, to_perfetto
@@ -84,7 +91,7 @@ def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trac
     cpu = target == "cpu"
     dtype = program.settings.compute_dtype
     sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
-                   cpu_fixups=cpu, keep_timeline=trace is not None)
+                   cpu_fixups=cpu, keep_timeline=keep_timeline or trace is not None)
     price_s = time.perf_counter() - t0
     if trace is not None:
         with open(trace, "w") as f:
@@ -115,7 +122,7 @@ def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trac
                      f"pre-widening bytes, all-reduce + slice as reduce-scatter, f32->bf16->f32 fusions free")
     notes.append("one device simulated (SPMD); kernel launch overheads not modelled; compute priced by the "
                  "roofline with costmodel.FITTED efficiencies")
-    return {
+    result = {
         "model": program.model.name, "mesh": program.mesh.as_dict(), "devices": n,
         "topology": topology.name, "device": topology.device.name, "target": target,
         "batch": {"batch_size": program.settings.batch.batch_size, "text_len": program.settings.batch.text_len,
@@ -143,6 +150,7 @@ def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trac
         "trace": trace,
         "notes": notes,
     }
+    return result, sim
 
 
 def format_analysis(result: dict) -> str:
