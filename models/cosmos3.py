@@ -85,7 +85,7 @@ class GeneratorIO(nn.Module):
         self.sound_in_bias_D = param(self, "sound_in_bias_D", (D,), ("embed",), zeros)
         self.sound_out_DZ = param(self, "sound_out_DZ", (D, Z), ("embed", "sound"))
         self.sound_out_bias_Z = param(self, "sound_out_bias_Z", (Z,), ("sound",), zeros)
-        # Index 0 (video) stays unused: video tokens carry no modality embedding.
+        # Rows: 0 unused (video tokens carry no modality embedding), 1 action, 2 sound.
         self.modality_embed_3D = param(self, "modality_embed_3D", (3, D), ("modality", "embed"), zeros)
         self.time_in_FD = param(self, "time_in_FD", (Fq, D), ("time_freq", "embed"))
         self.time_in_bias_D = param(self, "time_in_bias_D", (D,), ("embed",), zeros)
@@ -104,7 +104,10 @@ class GeneratorIO(nn.Module):
         m = modality_BV[..., None]
         h_BVD = jnp.where(m == VIDEO, video_BVD, jnp.where(m == ACTION, action_BVD,
                                                             jnp.where(m == SOUND, sound_BVD, 0)))
-        h_BVD = h_BVD + embedding_lookup(self.modality_embed_3D, jnp.clip(modality_BV - 1, 0, 2), "modality").astype(dt)
+        # Action and sound tokens carry a modality embedding, video tokens none (as in NVIDIA's
+        # Cosmos3OmniTransformer); row 0 is never read, so it stays at its initial zeros.
+        modality_BVD = embedding_lookup(self.modality_embed_3D, jnp.clip(modality_BV - 1, 0, 2), "modality").astype(dt)
+        h_BVD = h_BVD + jnp.where((m == ACTION) | (m == SOUND), modality_BVD, 0)
         # Timestep embedding (fp32), added to noisy tokens only; clean conditioning gets nothing.
         t_BVD = nn.silu(timestep_features(sigma_BV, c.timestep_freq_dim) @ self.time_in_FD + self.time_in_bias_D)
         t_BVD = constrain(t_BVD, ("batch", "seq", "act_embed"))
@@ -131,6 +134,9 @@ class GeneratorIO(nn.Module):
 class Cosmos3(nn.Module):
     config: Cosmos3Config
     dtype: jnp.dtype = jnp.bfloat16
+    # The rotary inverse frequencies, when they must equal another implementation's float32
+    # table bit for bit (see `xlaopt.models.mrope.rope_cos_sin`); None: derived from the config.
+    rope_inv_freq: tuple[float, ...] | None = None
 
     @nn.compact
     def __call__(self, batch: dict, gen_inputs_BVC: jax.Array | None = None):
@@ -157,7 +163,7 @@ class Cosmos3(nn.Module):
         segment_BS = jnp.concatenate([text_seg_BT, gen_seg_BV], axis=1)
         is_gen_BS = jnp.concatenate([jnp.zeros((B, T), bool), jnp.ones((B, V), bool)], axis=1)
         tokens_S = Tokens.of(segment_BS, is_gen_BS)
-        rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta)
+        rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta, self.rope_inv_freq)
 
         tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt)

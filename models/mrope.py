@@ -31,10 +31,21 @@ def frequency_axes(sections: tuple[int, int, int]) -> np.ndarray:
 
 
 def rope_cos_sin(positions_3BL: jax.Array, head_dim: int, sections: tuple[int, int, int],
-                 theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables [B, L, head_dim] for (t, h, w) positions, in fp32."""
+                 theta: float, inv_freq: tuple[float, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables [B, L, head_dim] for (t, h, w) positions (ints or fp32), in fp32.
+
+    The inverse frequencies are theta^(-2i/head_dim) rounded once to fp32, unless `inv_freq`
+    gives them. Angles are fp32 products position x frequency, so at the generator's temporal
+    offset (~15000) one ulp of a frequency moves an angle by ~1e-3 rad: matching another
+    implementation bit for bit (torch's fp32 `pow` is not correctly rounded) needs its table.
+    """
     half = head_dim // 2
-    inv_freq_F = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
+    if inv_freq is None:
+        inv_freq_F = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
+    else:
+        inv_freq_F = np.asarray(inv_freq, np.float32)
+        if inv_freq_F.shape != (half,):
+            raise ValueError(f"inv_freq has {inv_freq_F.shape[0]} frequencies; head_dim {head_dim} needs {half}")
     axes_F = frequency_axes(sections)
     # Pick, per frequency, the position along the axis that drives it.
     pos_BLF = jnp.take(positions_3BL.astype(jnp.float32), jnp.asarray(axes_F), axis=0)  # [F, B, L]

@@ -86,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
                                          "leave-one-out errors")
     p.add_argument("--runs", required=True, metavar="CSV", help="published runs (schema: shared/calibration/README.md)")
     p.add_argument("--json", default=None, metavar="OUT")
+    p = sub.add_parser("parity", help="NVIDIA's reference (diffusers, torch, CPU) and xlaopt on the same sample: "
+                                      "per-modality differences (needs xlaopt[parity])")
+    p.add_argument("--diffusers", required=True, metavar="DIR", help="a saved Cosmos3OmniTransformer directory")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--seed", type=int, default=0, help="build a sample covering every modality from this seed")
+    source.add_argument("--inputs", default=None, metavar="SAMPLE.npz",
+                        help="the reference forward's keyword arguments (lists as name_0, name_1, ...)")
+    p.add_argument("--dump", default=None, metavar="OUT.npz", help="xlaopt's predictions (vision_0, sound_0, ...)")
+    p.add_argument("--json", default=None, metavar="OUT")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="xlaopt's compute dtype")
+    p.add_argument("--rope-table", default="reference", choices=("reference", "xlaopt"),
+                   help="rotary frequencies: the reference's fp32 table (default) or xlaopt's own")
+    p = sub.add_parser("import-weights", help="a diffusers Cosmos3OmniTransformer directory -> an xlaopt "
+                                              "checkpoint, placed on a mesh")
+    p.add_argument("--from", dest="source", nargs=2, metavar=("FORMAT", "DIR"), required=True,
+                   help="the format (diffusers) and directory of the weights")
+    p.add_argument("--out", required=True, metavar="CKPT", help="the xlaopt checkpoint directory to write")
+    p.add_argument("--mesh", default="", help="place the parameters on this mesh (e.g. fsdp=4,tensor=2)")
+    p.add_argument("--name", default="cosmos3-diffusers", help="the model name recorded in the checkpoint")
     ckpt = sub.add_parser("ckpt", help="checkpoint directories").add_subparsers(dest="ckpt_command", required=True)
     p = ckpt.add_parser("ls", help="committed steps with sizes, and debris of interrupted saves")
     p.add_argument("dir")
@@ -316,6 +335,18 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_parity(args) -> int:
+    from xlaopt.interop.parity import cmd_parity as run
+
+    return run(args)
+
+
+def cmd_import_weights(args) -> int:
+    from xlaopt.interop.parity import cmd_import_weights as run
+
+    return run(args)
+
+
 def cmd_calibrate(args) -> int:
     from xlaopt.calibrate import format_table, main_calibrate
 
@@ -374,7 +405,7 @@ def cmd_bench(args) -> int:
 
 _COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "analyze": cmd_analyze, "models": cmd_models,
              "passes": cmd_passes, "data": cmd_data, "ckpt": cmd_ckpt, "bench": cmd_bench,
-             "calibrate": cmd_calibrate}
+             "calibrate": cmd_calibrate, "parity": cmd_parity, "import-weights": cmd_import_weights}
 
 if __name__ == "__main__":
     sys.exit(main())
