@@ -186,3 +186,15 @@ def test_interrupted_save_debris_is_removed_at_next_start(tmp_path):
     manager.save(2, {"x": np.full(3, 2, np.float32)})
     manager.wait()
     assert manager.steps() == [1, 2]
+
+
+def test_a_leaf_that_cannot_be_saved_fails_the_save_and_leaves_nothing(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    tree = {"a": np.ones((4, 4), np.float32), "key": jax.random.key(0), "z": np.zeros(3, np.float32)}
+    with pytest.raises(CheckpointError, match="key: a typed PRNG key; save jax.random.key_data"):
+        manager.save(1, tree)
+    manager.wait()
+    assert manager.steps() == [] and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    manager.save(1, {"a": np.ones((4, 4), np.float32)})
+    manager.wait()
+    assert manager.steps() == [1]

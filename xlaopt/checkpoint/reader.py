@@ -17,21 +17,11 @@ import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
+from xlaopt.checkpoint.hostmem import PAGE, aligned_empty
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
 from xlaopt.checkpoint.writer import chunk_coords, chunk_path
 
 _THREADS = 8
-_ALIGN = 4096  # page-aligned host buffers: JAX's CPU client adopts them without a copy
-
-
-def aligned_empty(shape, dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = (-raw.ctypes.data) % _ALIGN
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
 def _open_direct(path: pathlib.Path) -> tuple[int, bool]:
     """Open for direct I/O where the filesystem allows it: the disk writes into our buffer
     without a page-cache copy (less CPU on a small host); plain reads otherwise."""
@@ -49,7 +39,7 @@ def _open_direct(path: pathlib.Path) -> tuple[int, bool]:
 def _read_chunk(path: pathlib.Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     want = nbytes + 4
-    buf = aligned_empty((-(-want // _ALIGN) * _ALIGN,), np.uint8)  # direct I/O reads whole blocks
+    buf = aligned_empty((-(-want // PAGE) * PAGE,), np.uint8)  # direct I/O reads whole blocks
     try:
         fd, direct = _open_direct(path)
     except FileNotFoundError:

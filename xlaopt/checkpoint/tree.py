@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import jax
 import numpy as np
 
+from xlaopt.checkpoint.hostmem import host_copy
 from xlaopt.checkpoint.layout import CheckpointError, safe_part
 
 # A chunk (one file) is the unit of checksum and of partial reads: small enough that restoring
@@ -81,23 +83,21 @@ def _sharding_json(sharding) -> dict | None:
     return None
 
 
-def snapshot(tree) -> tuple[list[LeafSnapshot], jax.tree_util.PyTreeDef]:
-    """Copy to host the shards this process owns (one replica of each); blocks until done."""
-    names, leaves, treedef = named_leaves(tree)
+def snapshot(tree) -> Iterator[LeafSnapshot]:
+    """Copy to host, leaf by leaf, the shards this process owns (one replica of each). A
+    generator, so a writer can start on the first leaves while later ones are copied."""
+    names, leaves, _ = named_leaves(tree)
     first_process = jax.process_index() == 0
-    out = []
     for name, leaf in zip(names, leaves):
         if isinstance(leaf, jax.Array):
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 raise CheckpointError(f"{name}: a typed PRNG key; save jax.random.key_data(key) instead")
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
             shard = tuple(leaf.sharding.shard_shape(leaf.shape))
-            shards = [(tuple(s.index), np.array(s.data, copy=True)) for s in leaf.addressable_shards
-                      if s.replica_id == 0]
+            shards = [(tuple(s.index), host_copy(s.data)) for s in leaf.addressable_shards if s.replica_id == 0]
             sharding = _sharding_json(leaf.sharding)
         else:
-            data = np.array(leaf, copy=True)
+            data = host_copy(leaf)
             shape, dtype, shard, sharding = data.shape, data.dtype, data.shape, None
             shards = [(tuple(slice(None) for _ in shape), data)] if first_process else []
-        out.append(LeafSnapshot(name, shape, dtype.name, shard, chunk_shape(shard, dtype.itemsize), sharding, shards))
-    return out, treedef
+        yield LeafSnapshot(name, shape, dtype.name, shard, chunk_shape(shard, dtype.itemsize), sharding, shards)
