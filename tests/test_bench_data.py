@@ -10,6 +10,7 @@ from xlaopt.data.batch import BatchShape, cosmos3_batch_spec  # noqa: E402
 from xlaopt.data.loader import RESOLUTION_SHIFT  # noqa: E402
 from xlaopt.data.packing import fill_row, logit_normal_sigma  # noqa: E402
 from xlaopt.data.synthetic_store import make_store  # noqa: E402
+from xlaopt.families import FAMILIES  # noqa: E402
 from xlaopt.models.registry import get_config  # noqa: E402
 
 SHAPE = BatchShape(4, 51, 93)
@@ -46,7 +47,9 @@ def test_bench_runs_both_contenders_on_one_budget(store_dir):
     result = bench.run(str(store_dir), steps=steps, repeats=1, progress=lines.append, read_batches=2,
                        mesh="", settings=SMALL_MODEL, batch_size=4, disk_probe_mb=16)
     budget = result["tokens_per_step_budget"]
-    assert budget == 4 * (result["batch"]["text_len"] + result["batch"]["gen_len"]) == SHAPE.tokens
+    default = FAMILIES["cosmos3"].default_batch  # the row length `xlaopt train --data` uses
+    assert budget == 4 * (result["batch"]["text_len"] + result["batch"]["gen_len"]) == 4 * (default.text_len
+                                                                                            + default.gen_len)
     for name in ("xlaopt", "grain"):
         r = result[name]
         for key in ("tokens_per_s", "padding_fraction", "p99_next_s", "data_wait_fraction"):
