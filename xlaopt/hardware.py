@@ -9,8 +9,8 @@ devices it simulates.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
+
+from xlaopt.cpu_peak import measure_cpu_matmul_peak
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
@@ -32,20 +32,3 @@ def mesh_peak(devices, dtype: str) -> Peak:
         raise ValueError(f"no {dtype} peak FLOP/s known for device kind {kind!r}; add it to xlaopt/topology.py")
     return Peak(device.peak_flops[dtype] * len(devices),
                 f"{device.name} datasheet {dtype} dense peak x {len(devices)} devices")
-
-
-@functools.lru_cache(maxsize=4)
-def measure_cpu_matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    device = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((n, n), dtype), device)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        matmul(a, a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best

@@ -1,0 +1,22 @@
+"""The host CPU's matmul peak, measured: XLA's CPU code has no useful datasheet figure."""
+from __future__ import annotations
+
+import functools
+import time
+
+
+@functools.lru_cache(maxsize=4)
+def measure_cpu_matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
