@@ -118,7 +118,7 @@ class GeneratorIO(nn.Module):
     def predict(self, h_BVD, modality_BV, domain_BV):
         """Per-modality predictions in raw input space, zero-padded to C channels, fp32."""
         c = self.config
-        P, A, M, Z, C = c.latent_patch_dim, c.action_dim, c.num_action_domains, c.sound_dim, c.generator_in_dim
+        M, C = c.num_action_domains, c.generator_in_dim
         h = h_BVD.astype(jnp.float32)
         video_BVP = h @ self.llm2vae_DP + self.llm2vae_bias_P
         onehot_BVM = jax.nn.one_hot(domain_BV, M, dtype=jnp.float32)

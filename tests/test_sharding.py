@@ -1,5 +1,4 @@
 """Exact PartitionSpecs from the rule table, and clear errors for meshes that do not fit."""
-import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 

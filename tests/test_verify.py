@@ -1,8 +1,6 @@
 """Sharded equals single-device, on the meshes the design promises to support."""
 import json
 
-import jax
-import numpy as np
 import pytest
 
 from xlaopt.cli import main

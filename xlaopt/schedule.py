@@ -388,13 +388,12 @@ class _Reader:
         return min(1.0, hlo._DTYPE_BYTES[src[0][0]] / hlo._DTYPE_BYTES[dst[0][0]])
 
     def collective(self, comp: str, ins: _Instr) -> CollectiveInfo | None:
-        target, where = ins, comp
+        target = ins
         if ins.opcode == "async-start":
             callee = self._callee(ins, "calls")
             target = next((i for i in self.comps.get(callee, []) if i.opcode in SYNC_KINDS), None)
             if target is None:
                 return None
-            where = callee
         op = target.opcode
         kind = op.removesuffix("-start")
         if kind not in SYNC_KINDS:

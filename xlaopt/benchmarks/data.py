@@ -49,7 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 

@@ -269,7 +269,7 @@ def mapping(config: Cosmos3Config, settings: ReferenceSettings) -> list[Entry]:
                      lambda a: tuple(a[r] for r in rows)))
 
     for tower, m in TOWERS.items():
-        att = f"layers.{{i}}.self_attn."
+        att = "layers.{i}.self_attn."
         lay = lambda *p: ("layers", tower) + p
         out += [
             _identity(f"layers.{{i}}.{m['attn_norm']}.weight", (D,), lay("attn_norm", "scale"), True),

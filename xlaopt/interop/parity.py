@@ -24,7 +24,6 @@ the fp32 tolerance; with trained weights and long clips it can be larger).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import tempfile

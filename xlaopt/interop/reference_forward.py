@@ -228,7 +228,7 @@ def sample_to_batch(kw: dict, config: Cosmos3Config, settings: ReferenceSettings
     c = config
     T, S = int(kw["und_len"]), int(kw["sequence_length"])
     V = S - T
-    P, A, Z, C = c.latent_patch_dim, c.action_dim, c.sound_dim, c.generator_in_dim
+    P, C = c.latent_patch_dim, c.generator_in_dim
     if T < 1 or V < 1:
         raise SampleError(f"und_len={T}, sequence_length={S}: need a text prefix and generator tokens")
     text_idx = np.asarray(kw["text_indexes"], np.int64)
