@@ -61,36 +61,32 @@ def _orbax_save(tree, where: pathlib.Path):
     return checkpointer, blocking_s
 
 
-def _xlaopt_round(tree, nbytes, where: pathlib.Path) -> dict:
-    t0 = time.perf_counter()
-    manager, blocking_s = _xlaopt_save(tree, where)
-    save_s = time.perf_counter() - t0
-    drop_page_cache([where])
-    t0 = time.perf_counter()
-    restored, _, _ = manager.restore(_abstract(tree))
-    jax.block_until_ready(restored)
-    restore_s = time.perf_counter() - t0
-    _check_equal(tree, restored)
-    return {"save_MBps": nbytes / save_s / 1e6, "restore_cold_MBps": nbytes / restore_s / 1e6,
-            "blocking_s": blocking_s}
+def _xlaopt_restore(manager, tree, where: pathlib.Path):
+    return manager.restore(_abstract(tree))[0]
 
 
-def _orbax_round(tree, nbytes, where: pathlib.Path) -> dict:
-    t0 = time.perf_counter()
-    checkpointer, blocking_s = _orbax_save(tree, where)
-    save_s = time.perf_counter() - t0
-    drop_page_cache([where])
-    t0 = time.perf_counter()
+def _orbax_restore(checkpointer, tree, where: pathlib.Path):
     restored = checkpointer.restore((where / "orbax").resolve(), _abstract(tree))
-    jax.block_until_ready(restored)
+    checkpointer.close()
+    return restored
+
+
+def _round(name: str, tree, nbytes, where: pathlib.Path) -> dict:
+    """One contender's save (until durable) and cold restore, checked equal to what was saved."""
+    t0 = time.perf_counter()
+    handle, blocking_s = _SAVES[name](tree, where)
+    save_s = time.perf_counter() - t0
+    drop_page_cache([where])
+    t0 = time.perf_counter()
+    restored = jax.block_until_ready(_RESTORES[name](handle, tree, where))
     restore_s = time.perf_counter() - t0
     _check_equal(tree, restored)
-    checkpointer.close()
     return {"save_MBps": nbytes / save_s / 1e6, "restore_cold_MBps": nbytes / restore_s / 1e6,
             "blocking_s": blocking_s}
 
 
 _SAVES = {"xlaopt": _xlaopt_save, "orbax": _orbax_save}
+_RESTORES = {"xlaopt": _xlaopt_restore, "orbax": _orbax_restore}
 
 
 def peak_save_memory(name: str, size_gb: float, where: pathlib.Path) -> int:
@@ -153,17 +149,17 @@ def run(size_gb: float = 1.0, repeats: int = 5, workdir: str | None = None, prog
             probe.unlink()
             rounds["host_copy_s"].append(_host_copy_s(tree))
             cache_method = drop_page_cache([base])
-            contenders = [("xlaopt", _xlaopt_round)] + ([("orbax", _orbax_round)] if have_orbax else [])
+            contenders = ["xlaopt"] + (["orbax"] if have_orbax else [])
             if r % 2:  # alternate who goes first: the disk drifts within a round
                 contenders.reverse()
-            for name, fn in contenders:
+            for name in contenders:
                 where = base / f"{name}-{r}"
-                rounds[name].append(fn(tree, nbytes, where))
+                rounds[name].append(_round(name, tree, nbytes, where))
                 shutil.rmtree(where)
             progress(f"round {r + 1}/{repeats}: dd write {rounds['disk_write_MBps'][-1]:.0f} MB/s, "
                      + ", ".join(f"{n} save {rounds[n][-1]['save_MBps']:.0f} MB/s restore "
-                                 f"{rounds[n][-1]['restore_cold_MBps']:.0f} MB/s" for n, _ in contenders))
-        for name, _ in contenders:
+                                 f"{rounds[n][-1]['restore_cold_MBps']:.0f} MB/s" for n in contenders))
+        for name in contenders:
             where = base / f"{name}-memory"
             memory[name] = peak_save_memory(name, size_gb, where)
             shutil.rmtree(where, ignore_errors=True)
