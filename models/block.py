@@ -10,7 +10,8 @@ from xlaopt.models.mrope import apply_rope
 
 class TransformerBlock(nn.Module):
     """One pre-norm transformer block's weights: norms, GQA projections (optionally with
-    per-head QK RMSNorm), MLP. A Cosmos 3 layer holds two (one per tower); a decoder LLM one."""
+    per-head QK RMSNorm), MLP. A Cosmos 3 layer holds two (one per tower); a decoder LLM one.
+    `side_key_norm`: a second key norm, for keys another tower's queries read (Cosmos 3 Edge)."""
     d_model: int
     num_heads: int
     num_kv_heads: int
@@ -20,6 +21,7 @@ class TransformerBlock(nn.Module):
     norm_eps: float
     dtype: jnp.dtype
     qk_norm: bool = True
+    side_key_norm: bool = False
 
     def setup(self):
         D, H, N, K = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
@@ -31,22 +33,26 @@ class TransformerBlock(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(K, "head_dim", self.norm_eps)
             self.k_norm = RMSNorm(K, "head_dim", self.norm_eps)
+        if self.side_key_norm:
+            self.side_k_norm = RMSNorm(K, "head_dim", self.norm_eps)
         self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
         self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
 
     def qkv(self, x_BLD, cos_BLK, sin_BLK):
+        """Rotated queries and keys, values; plus the side keys (`side_key_norm`) or the keys again."""
         h_BLD = self.attn_norm(x_BLD)
         q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
-        k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
+        raw_k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
         v_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype))
+        k_BLNK = raw_k_BLNK
         if self.qk_norm:
-            q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(k_BLNK)
-        q_BLHK = apply_rope(q_BLHK, cos_BLK, sin_BLK)
-        k_BLNK = apply_rope(k_BLNK, cos_BLK, sin_BLK)
-        q_BLHK = constrain(q_BLHK, ("batch", "seq", "act_heads", "head_dim"))
-        k_BLNK = constrain(k_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
-        v_BLNK = constrain(v_BLNK, ("batch", "seq", "act_kv_heads", "head_dim"))
-        return q_BLHK, k_BLNK, v_BLNK
+            q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(raw_k_BLNK)
+        kv_axes = ("batch", "seq", "act_kv_heads", "head_dim")
+        q_BLHK = constrain(apply_rope(q_BLHK, cos_BLK, sin_BLK), ("batch", "seq", "act_heads", "head_dim"))
+        k_BLNK = constrain(apply_rope(k_BLNK, cos_BLK, sin_BLK), kv_axes)
+        side_k_BLNK = (constrain(apply_rope(self.side_k_norm(raw_k_BLNK), cos_BLK, sin_BLK), kv_axes)
+                       if self.side_key_norm else k_BLNK)
+        return q_BLHK, k_BLNK, constrain(v_BLNK, kv_axes), side_k_BLNK
 
     def finish(self, x_BLD, attn_BLHK):
         """Output projection and MLP, each with its residual."""

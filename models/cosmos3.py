@@ -34,17 +34,21 @@ MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
-    tower: dict  # TransformerBlock fields, identical for both towers
+    tower: dict  # TransformerBlock fields shared by both towers
     attention_block: int = 0
+    reasoner_qk_norm: bool = True
+    reasoner_key_norm_for_generator: bool = False
 
     @nn.compact
     def __call__(self, carry, tokens_S, rope_T, rope_V):
         x_BTD, x_BVD = carry
-        reasoner = TransformerBlock(name="reasoner", **self.tower)
+        reasoner = TransformerBlock(name="reasoner", **self.tower, qk_norm=self.reasoner_qk_norm,
+                                    side_key_norm=self.reasoner_key_norm_for_generator)
         generator = TransformerBlock(name="generator", **self.tower)
-        q_BTHK, k_BTNK, v_BTNK = reasoner.qkv(x_BTD, *rope_T)
-        q_BVHK, k_BVNK, v_BVNK = generator.qkv(x_BVD, *rope_V)
-        k_BSNK = jnp.concatenate([k_BTNK, k_BVNK], axis=1)
+        # Generator queries read the reasoner's keys through its side norm when it has one.
+        q_BTHK, k_BTNK, v_BTNK, k_for_gen_BTNK = reasoner.qkv(x_BTD, *rope_T)
+        q_BVHK, k_BVNK, v_BVNK, _ = generator.qkv(x_BVD, *rope_V)
+        k_BSNK = jnp.concatenate([k_for_gen_BTNK, k_BVNK], axis=1)
         v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
         T = x_BTD.shape[1]
         tokens_T, tokens_V = tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1])
@@ -171,7 +175,8 @@ class Cosmos3(nn.Module):
         layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(nn.broadcast,) * 3, length=c.num_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})(
-            tower=tower, attention_block=c.attention_block, name="layers")
+            tower=tower, attention_block=c.attention_block, reasoner_qk_norm=c.reasoner_qk_norm,
+            reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator, name="layers")
         (x_BTD, x_BVD), _ = layers((x_BTD, x_BVD), tokens_S,
                                    rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 

@@ -23,7 +23,16 @@ class Cosmos3Config(TransformerConfig):
     mrope_sections: tuple[int, int, int] | None = None
     rope_theta: float = 5e6
     temporal_margin: int = 15000
+    # mRoPE time of generator tokens (see `xlaopt.models.mrope`): with fps modulation a latent
+    # step advances time by base rate / clip rate; without, by one.
+    fps_modulation: bool = True
+    base_fps: int = 24
+    sound_latent_fps: float = 25.0
     norm_eps: float = 1e-6
+    # Per-head QK RMSNorm in the reasoner (the generator always has it). The Edge variant drops
+    # it and instead norms reasoner keys separately for the generator's queries only.
+    reasoner_qk_norm: bool = True
+    reasoner_key_norm_for_generator: bool = False
     # Inputs and outputs of the generator tower.
     latent_channels: int = 48  # Wan2.2 VAE
     patch_size: int = 2  # latent patches are patch_size x patch_size
@@ -47,6 +56,9 @@ class Cosmos3Config(TransformerConfig):
             raise ConfigError(
                 f"{self.name}: mrope_sections={sections} must be three counts (T,H,W) summing to "
                 f"head_dim/2={self.head_dim // 2}; e.g. {derive_mrope_sections(self.head_dim)}")
+        if self.reasoner_key_norm_for_generator and self.reasoner_qk_norm:
+            raise ConfigError(f"{self.name}: reasoner_key_norm_for_generator=True needs reasoner_qk_norm=False "
+                              f"(the separate key norm replaces the reasoner's own, as in the Edge variant)")
         if sections[0] < max(sections[1], sections[2]):
             # Interleaving gives T every third frequency plus the tail; T must be the largest.
             raise ConfigError(f"{self.name}: mrope_sections={sections}: T must be >= H and W")

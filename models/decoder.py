@@ -37,7 +37,7 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, tokens_T, rope):
         block = TransformerBlock(name="block", **self.block)
-        q_BTHK, k_BTNK, v_BTNK = block.qkv(x_BTD, *rope)
+        q_BTHK, k_BTNK, v_BTNK, _ = block.qkv(x_BTD, *rope)
         return block.finish(x_BTD, attend(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T, self.attention_block)), None
 
 

@@ -9,7 +9,11 @@ The host-side builders below say where each token of a sample sits:
   text tokens          (p, p, p), p = 0, 1, ... within the sample;
   video latent tokens  (t0 + t, h, w), t0 = n_text + margin, h and w restart at 0 per
                        video segment, tokens flattened time-major (t, then h, then w);
-  action / sound       (t0 + t, 0, 0) on their own clock from the same offset.
+  action / sound       (t0 + t, 0, 0) from the same offset.
+With fps modulation (Cosmos 3's default) t runs on a common clock: a latent step of a
+clip advances t by (base rate / the clip's rate), so a 30 fps clip and a 24 fps clip of
+the same duration span the same t; sound steps at its latent rate, actions at the video
+frame rate starting one frame in. `xlaopt.data.packing.generator_positions` applies it.
 """
 from __future__ import annotations
 
@@ -64,6 +68,9 @@ def apply_rope(x_BLHK: jax.Array, cos_BLK: jax.Array, sin_BLK: jax.Array) -> jax
 
 # ---- host-side position builders (numpy), used by the data pipeline ----
 
+VAE_TEMPORAL_COMPRESSION = 4  # Wan2.2: 4 video frames per latent frame
+
+
 def text_positions(n_text: int) -> np.ndarray:
     """(3, n_text) positions of a sample's text tokens."""
     p = np.arange(n_text, dtype=np.int32)
@@ -71,18 +78,27 @@ def text_positions(n_text: int) -> np.ndarray:
 
 
 def temporal_offset(n_text: int, margin: int) -> int:
-    """Temporal position of the first generator frame: after the text plus the margin."""
+    """Temporal position of the first generator step: after the text plus the margin."""
     return n_text + margin
 
 
-def video_positions(t0: int, frames: int, height: int, width: int) -> np.ndarray:
-    """(3, frames*height*width) positions of one video segment's latent patches, time-major."""
-    t, h, w = np.meshgrid(np.arange(frames), np.arange(height), np.arange(width), indexing="ij")
-    return np.stack([t0 + t.ravel(), h.ravel(), w.ravel()]).astype(np.int32)
+def grid_positions(frames: int, height: int, width: int, t0: int, start: int = 0,
+                   rate: tuple[float, float] | None = None) -> np.ndarray:
+    """(3, frames*height*width) positions of a latent grid, time-major (t, then h, then w).
 
-
-def clock_positions(t0: int, steps: int) -> np.ndarray:
-    """(3, steps) positions of action or sound tokens: on a 1x1 grid from offset t0."""
-    t = t0 + np.arange(steps, dtype=np.int32)
-    z = np.zeros_like(t)
-    return np.stack([t, z, z])
+    Without `rate`, step f sits at t0 + start + f (int64). With `rate` = (steps per second of
+    this clip, steps per second of one position unit) and more than one step, time is
+    rescaled to the base clock and kept fractional (float32): t0 + (f + start) / rate[0] *
+    rate[1], in that float32 operation order, as NVIDIA's pipeline computes it (so the ids
+    match it bit for bit). A one-frame grid (an image) has no clock and keeps integer time.
+    """
+    spatial = height * width
+    h = np.broadcast_to(np.arange(height)[None, :, None], (frames, height, width)).ravel()
+    w = np.broadcast_to(np.arange(width)[None, None, :], (frames, height, width)).ravel()
+    if rate is not None and frames > 1:
+        steps_per_s, base_steps_per_s = np.float32(rate[0]), np.float32(rate[1])
+        f = np.arange(frames, dtype=np.float32) + np.float32(start)
+        t = (f / steps_per_s * base_steps_per_s + np.float32(t0)).astype(np.float32)
+        return np.stack([np.repeat(t, spatial), h.astype(np.float32), w.astype(np.float32)])
+    t = np.repeat(np.arange(frames, dtype=np.int64), spatial) + int(t0) + start
+    return np.stack([t, h, w]).astype(np.int64)

@@ -59,11 +59,12 @@ def test_config_maps_both_ways(reference_dir):
 
 def test_unknown_and_unsupported_config_fields_are_listed():
     raw = dict(CFG, frobnicate=1, another_new_field=True, attention_bias=True, hidden_act="gelu",
-               qk_norm_for_text=False)
+               unified_3d_mrope_reset_spatial_ids=False)
     with pytest.raises(DiffusersConfigError) as e:
         cosmos3_from_diffusers(raw)
     msg = str(e.value)
-    for word in ("another_new_field", "frobnicate", "attention_bias", "hidden_act='gelu'", "qk_norm_for_text"):
+    for word in ("another_new_field", "frobnicate", "attention_bias", "hidden_act='gelu'",
+                 "unified_3d_mrope_reset_spatial_ids"):
         assert word in msg, (word, msg)
     assert isinstance(e.value, UserError)
 
@@ -75,6 +76,21 @@ def test_round_trip_without_training_is_bit_exact(reference_dir, tmp_path):
     a, b = _tensors(reference_dir), _tensors(tmp_path / "out")
     assert set(a) == set(b)
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_edge_variant_round_trip_keeps_its_norms(tmp_path):
+    """Edge: no reasoner QK norm, a separate norm on reasoner keys for generator queries."""
+    edge = dict(CFG, hidden_act="relu2", qk_norm_for_text=False, use_und_k_norm_for_gen=True)
+    random_reference(edge, 3, tmp_path / "ref")
+    config, settings, params = import_params(tmp_path / "ref")
+    assert not config.reasoner_qk_norm and config.reasoner_key_norm_for_generator
+    reasoner = params["layers"]["reasoner"]
+    assert "q_norm" not in reasoner and "k_norm" not in reasoner and reasoner["side_k_norm"]["scale"].shape == (2, 16)
+    export_diffusers(params, config, settings, tmp_path / "out")
+    a, b = _tensors(tmp_path / "ref"), _tensors(tmp_path / "out")
+    assert "layers.1.self_attn.k_norm_und_for_gen.weight" in a and "layers.0.self_attn.norm_q.weight" not in a
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["use_und_k_norm_for_gen"] is True
 
 
 @needs_devices(8)

@@ -1,11 +1,14 @@
 """The model's contract: one-way flow, sample isolation, mRoPE layout, timestep placement."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from xlaopt.data.packing import generator_positions
 from xlaopt.models import mrope
-from xlaopt.models.cosmos3 import ACTION, VIDEO, Cosmos3
+from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO, Cosmos3
 from xlaopt.models.masks import two_way_mask
 from xlaopt.models.objective import noised_inputs
 
@@ -78,19 +81,35 @@ def test_timestep_embedding_touches_only_noisy_tokens(model_and_params, syntheti
     assert np.abs(np.asarray(pred_a) - np.asarray(pred_b))[noisy].max() > 1e-3
 
 
-def test_mrope_positions_hand_built_example():
-    # A sample: 3 text tokens, then a video of 2 latent frames of 2x3 patches, margin 15000.
+def test_mrope_positions_hand_built_example(tiny_config):
+    # A sample: 3 text tokens, then generator splits from the offset 3 + margin 15000.
+    plain = dataclasses.replace(tiny_config, fps_modulation=False)
     text = mrope.text_positions(3)
     t0 = mrope.temporal_offset(3, 15000)
-    video = mrope.video_positions(t0, 2, 2, 3)
-    action = mrope.clock_positions(t0, 4)
+    video = generator_positions(VIDEO, (2, 2, 3), t0, 30.0, plain)
+    action = generator_positions(ACTION, (4, 1, 1), t0, 30.0, plain)
     np.testing.assert_array_equal(text, [[0, 1, 2], [0, 1, 2], [0, 1, 2]])
     np.testing.assert_array_equal(video, [
         [15003] * 6 + [15004] * 6,
         [0, 0, 0, 1, 1, 1] * 2,
         [0, 1, 2, 0, 1, 2] * 2,
     ])
-    np.testing.assert_array_equal(action, [[15003, 15004, 15005, 15006], [0] * 4, [0] * 4])
+    # Actions start one frame in, on their own integer clock.
+    np.testing.assert_array_equal(action, [[15004, 15005, 15006, 15007], [0] * 4, [0] * 4])
+
+
+def test_mrope_positions_on_the_base_clock(tiny_config):
+    # fps modulation (base 24 fps, 4 frames per latent step, sound latents at 25 Hz): one
+    # position per latent frame of a 24 fps video; other clocks rescaled onto it.
+    c = tiny_config
+    assert c.fps_modulation and c.base_fps == 24 and c.sound_latent_fps == 25.0
+    t = lambda m, n, fps: generator_positions(m, (n, 1, 1), 15003, fps, c)[0]
+    np.testing.assert_array_equal(t(VIDEO, 3, 24.0), [15003, 15004, 15005])
+    np.testing.assert_allclose(t(VIDEO, 3, 30.0), [15003, 15003.8, 15004.6], rtol=0, atol=1e-3)  # 7.5 steps/s
+    np.testing.assert_allclose(t(SOUND, 3, None), [15003, 15003.96, 15004.92], rtol=0, atol=1e-3)
+    np.testing.assert_allclose(t(ACTION, 4, 24.0), [15003.25, 15003.5, 15003.75, 15004], rtol=0, atol=1e-3)
+    # An image (one latent frame) has no clock: integer time at the offset.
+    assert generator_positions(VIDEO, (1, 2, 2), 15003, 30.0, c)[0].tolist() == [15003] * 4
 
 
 def test_mrope_frequency_sections_are_interleaved():

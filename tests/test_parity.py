@@ -42,6 +42,12 @@ CONFIGS = {
                                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                                        rope_axes_dim=[6, 5, 5], hidden_act="relu2", action_gen=True, action_dim=7,
                                        num_embodiment_domains=5, enable_fps_modulation=False, rope_theta=1e4),
+    # Edge: no reasoner QK norm; generator queries read reasoner keys through their own norm.
+    "edge-relu2-side-key-norm": dict(BASE, hidden_size=48, intermediate_size=96, head_dim=16, num_attention_heads=3,
+                                     num_key_value_heads=1, num_hidden_layers=2, rope_axes_dim=[4, 2, 2],
+                                     hidden_act="relu2", qk_norm_for_text=False, use_und_k_norm_for_gen=True,
+                                     action_gen=True, action_dim=4, num_embodiment_domains=2, sound_gen=True,
+                                     sound_dim=3),
 }
 
 
@@ -62,7 +68,8 @@ def test_float32_parity(name):
     _check(result)
 
 
-@pytest.mark.parametrize("name", ["swiglu-gqa-sound-action", "relu2-action-int-positions"])
+@pytest.mark.parametrize("name", ["swiglu-gqa-sound-action", "relu2-action-int-positions",
+                                  "edge-relu2-side-key-norm"])
 def test_bfloat16_parity_within_stated_bound(name):
     result = run_parity(config=CONFIGS[name], seed=5, dtype="bfloat16")
     assert result["tolerance"] == TOLERANCES["bfloat16"] == 5e-2
@@ -143,8 +150,8 @@ def _reference_defaults():
 @pytest.mark.parametrize("fps_modulation,fps", [(True, 24.0), (True, 30.0), (False, 24.0)])
 def test_reference_position_builder_matches_pipeline(fps_modulation, fps):
     cfg = dict(CONFIGS["swiglu-gqa-sound-action"], enable_fps_modulation=fps_modulation)
-    config, settings = cosmos3_from_diffusers(cfg)
-    ours = rf.reference_positions(config, settings, 9, (3, 2, 3), n_sound=6, n_action=5, fps=fps)
+    config, _ = cosmos3_from_diffusers(cfg)
+    ours = rf.reference_positions(config, 9, (3, 2, 3), n_sound=6, n_action=5, fps=fps)
     ref = _pipeline_positions(cfg, 9, (3, 2, 3), 6, 5, fps)
     assert ours.dtype == ref.dtype and np.array_equal(ours, ref)
 
@@ -156,28 +163,18 @@ def _packed_positions(config, sample):
     return np.concatenate([out["text_positions_3BT"][:, 0], out["gen_positions_3BV"][:, 0]], axis=1)
 
 
-@pytest.mark.parametrize("fps_modulation", [True, False])
-def test_packer_video_positions_equal_pipeline(fps_modulation):
-    """A text + video sample: xlaopt's packer gives the pipeline's ids (at the base fps)."""
+@pytest.mark.parametrize("fps_modulation,fps", [(True, 24.0), (True, 30.0), (False, 30.0)])
+@pytest.mark.parametrize("modality", [VIDEO, SOUND, ACTION])
+def test_packer_positions_equal_pipeline(modality, fps_modulation, fps):
+    """A text + generator sample: xlaopt's packer gives the pipeline's ids, on each modality's clock."""
     cfg = dict(CONFIGS["swiglu-gqa-sound-action"], enable_fps_modulation=fps_modulation)
     config, _ = cosmos3_from_diffusers(cfg)
-    grid = (3, 2, 3)
+    grid = {VIDEO: (3, 2, 3), SOUND: (6, 1, 1), ACTION: (6, 1, 1)}[modality]
     n = int(np.prod(grid))
-    sample = Sample(np.arange(9, dtype=np.int32), VIDEO, np.zeros((n, config.latent_patch_dim), np.float32), grid)
-    ref = _pipeline_positions(cfg, 9, grid, fps=24.0)
-    assert np.array_equal(_packed_positions(config, sample), ref)
-
-
-@pytest.mark.xfail(strict=True, reason="xlaopt's packer puts sound and action on an integer clock from the video "
-                   "offset; the reference pipeline rescales sound time by its latent rate (25/24 per step with fps "
-                   "modulation) and starts actions one frame in at video frame rate ((f+1)/4 per step): "
-                   "reference_forward.reference_positions has the reference's rule, the packer does not use it yet")
-@pytest.mark.parametrize("modality", [SOUND, ACTION])
-def test_packer_sound_and_action_positions_equal_pipeline(modality):
-    cfg = CONFIGS["swiglu-gqa-sound-action"]
-    config, _ = cosmos3_from_diffusers(cfg)
-    width = config.sound_dim if modality == SOUND else config.action_dim
-    sample = Sample(np.arange(9, dtype=np.int32), modality, np.zeros((6, width), np.float32), (6, 1, 1))
-    ref = _pipeline_positions(cfg, 9, None, n_sound=6 if modality == SOUND else 0,
-                              n_action=6 if modality == ACTION else 0)
-    assert np.array_equal(_packed_positions(config, sample), ref)
+    width = {VIDEO: config.latent_patch_dim, SOUND: config.sound_dim, ACTION: config.action_dim}[modality]
+    sample = Sample(np.arange(9, dtype=np.int32), modality, np.zeros((n, width), np.float32), grid, fps=fps)
+    ref = _pipeline_positions(cfg, 9, grid if modality == VIDEO else None, n_sound=n if modality == SOUND else 0,
+                              n_action=n if modality == ACTION else 0, fps=fps)
+    ours = _packed_positions(config, sample)
+    # The packed batch holds positions as float32; the values must be the pipeline's exactly.
+    assert np.array_equal(ours, ref.astype(np.float32))

@@ -42,7 +42,7 @@ def cosmos3_batch_spec(config: Cosmos3Config, shape: BatchShape) -> Spec:
         "text_segment_ids_BT": ((B, T), i32, bt),
         "text_positions_3BT": ((3, B, T), i32, (None,) + bt),
         "gen_segment_ids_BV": ((B, V), i32, bv),
-        "gen_positions_3BV": ((3, B, V), i32, (None,) + bv),
+        "gen_positions_3BV": ((3, B, V), f32, (None,) + bv),  # fractional with fps modulation
         "gen_modality_BV": ((B, V), i32, bv),
         "gen_action_domain_BV": ((B, V), i32, bv),
         "gen_noisy_BV": ((B, V), np.dtype(bool), bv),

@@ -8,7 +8,7 @@ import numpy as np
 
 from xlaopt.data.sample import Sample
 from xlaopt.models import mrope
-from xlaopt.models.cosmos3 import VIDEO
+from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 
@@ -23,6 +23,20 @@ def fits(samples: Sequence[Sample], sample: Sample, text_len: int, gen_len: int)
             and sum(s.n_gen for s in samples) + sample.n_gen <= gen_len)
 
 
+def generator_positions(modality: int, grid: tuple[int, int, int], t0: int, fps: float | None,
+                        config: Cosmos3Config) -> np.ndarray:
+    """(3, n) mRoPE positions of one generator split, as NVIDIA's pipeline builds them: video
+    latent frames at fps / 4 per second, sound at its latent rate, actions at the video frame
+    rate one frame in; with fps modulation each clock is rescaled to base_fps / 4 (one position
+    per latent frame of a base-rate video). `fps` None: the clip runs at the base rate."""
+    fps = fps or config.base_fps
+    k = mrope.VAE_TEMPORAL_COMPRESSION
+    start, rate = {VIDEO: (0, (fps / k, config.base_fps / k)),
+                   SOUND: (0, (config.sound_latent_fps, config.base_fps)),
+                   ACTION: (1, (fps, config.base_fps / k))}[modality]
+    return mrope.grid_positions(*grid, t0, start, rate if config.fps_modulation else None)
+
+
 def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[str, np.ndarray]:
     """One sample's per-token fields as they sit in a packed row, segment ids aside: text
     tokens and (3, n_text) mRoPE positions; generator (3, n_gen) positions, modality, action
@@ -35,8 +49,8 @@ def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[s
     return {
         "text_tokens": np.asarray(sample.text, np.int32),
         "text_positions": mrope.text_positions(n_text),
-        "gen_positions": (mrope.video_positions(t0, *sample.grid) if sample.modality == VIDEO
-                          else mrope.clock_positions(t0, n_gen)),
+        "gen_positions": (generator_positions(sample.modality, sample.grid, t0, sample.fps, config).astype(np.float32)
+                          if n_gen else np.zeros((3, 0), np.float32)),
         "gen_modality": np.full(n_gen, sample.modality, np.int32),
         "gen_action_domain": np.full(n_gen, sample.domain, np.int32),
         "gen_noisy": np.arange(n_gen) >= sample.n_clean,

@@ -30,6 +30,7 @@ class Sample:
     grid: tuple[int, int, int] = (0, 0, 0)  # video: (frames, height, width); else (n_gen, 1, 1)
     domain: int = 0  # action embodiment
     n_clean: int = 0
+    fps: float | None = None  # frame rate of a video or action clip; None: the model's base rate
 
     @property
     def n_text(self) -> int:
@@ -52,5 +53,7 @@ class Sample:
         if int(np.prod(self.grid)) != self.n_gen:
             raise SampleError(f"{where}: grid {self.grid} holds {int(np.prod(self.grid))} tokens but the latents "
                               f"hold {self.n_gen}")
+        if self.fps is not None and not self.fps > 0:
+            raise SampleError(f"{where}: fps={self.fps} must be positive")
         if not 0 <= self.n_clean <= self.n_gen:
             raise SampleError(f"{where}: n_clean={self.n_clean} outside 0..{self.n_gen}")

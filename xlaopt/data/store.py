@@ -7,9 +7,10 @@ Layout (open: tensorstore or zarr-python read it without xlaopt):
     DIR/shard-00000/video             float32 [video tokens, video width]
     DIR/shard-00000/action            float32 [action tokens, action width]
     DIR/shard-00000/sound             float32 [sound tokens, sound width]
-    DIR/shard-00000/index             int64   [samples, 8]: text start, text end, latent start,
+    DIR/shard-00000/index             int64   [samples, 9]: text start, text end, latent start,
                                       latent end (in the sample's modality array), modality,
-                                      domain, n_clean, and the grid packed as t*2^40 + h*2^20 + w
+                                      domain, n_clean, the grid packed as t*2^40 + h*2^20 + w,
+                                      and the clip's frame rate in millihertz (0: unstated)
 
 Every array is one zarr3 file per shard (sharding codec) with crc32c-checked inner chunks,
 so a corrupted or truncated shard fails loudly, naming the file. The manifest is written
@@ -31,10 +32,11 @@ from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
 from xlaopt.zarr3 import array_spec, open_spec
 
 FORMAT = "xlaopt-sample-store"
-VERSION = 1
+VERSION = 2  # 2: the index gained the frame-rate column
 LATENT_ARRAYS = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 _INNER_BYTES = 256 << 10  # inner chunk: a random sample read touches few of them
 _GRID_BITS = 20
+_INDEX_COLUMNS = 9
 
 
 class StoreError(UserError):
@@ -85,7 +87,7 @@ class StoreWriter:
         name = f"shard-{len(self._shards):05d}"
         path = self.dir / name
         samples, self._pending, self._pending_bytes = self._pending, [], 0
-        index = np.zeros((len(samples), 8), np.int64)
+        index = np.zeros((len(samples), _INDEX_COLUMNS), np.int64)
         text = np.concatenate([s.text for s in samples]).astype(np.int32)
         latents = {m: [] for m in LATENT_ARRAYS}
         t_pos, l_pos = 0, {m: 0 for m in LATENT_ARRAYS}
@@ -96,7 +98,7 @@ class StoreWriter:
                 l_pos[s.modality] += s.n_gen
             t, h, w = s.grid
             index[i] = (t_pos, t_pos + s.n_text, start, start + s.n_gen, s.modality, s.domain, s.n_clean,
-                        (t << 2 * _GRID_BITS) | (h << _GRID_BITS) | w)
+                        (t << 2 * _GRID_BITS) | (h << _GRID_BITS) | w, round((s.fps or 0) * 1000))
             t_pos += s.n_text
         writes = [self._write(path / "text", text), self._write(path / "index", index)]
         for m, array_name in LATENT_ARRAYS.items():
@@ -203,16 +205,17 @@ class SampleStore:
                 raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
             k = int(np.searchsorted(self._starts, i, side="right") - 1)
             shard = self._shards[k]
-            t0, t1, l0, l1, modality, domain, n_clean, grid = (int(x) for x in self._shard_index(shard)[i - self._starts[k]])
+            t0, t1, l0, l1, modality, domain, n_clean, grid, fps_mhz = (
+                int(x) for x in self._shard_index(shard)[i - self._starts[k]])
             mask = (1 << _GRID_BITS) - 1
             grid_thw = (grid >> 2 * _GRID_BITS, (grid >> _GRID_BITS) & mask, grid & mask)
             text = self._start_read(shard, "text", t0, t1)
             latents = None if modality == TEXT_ONLY else self._start_read(shard, LATENT_ARRAYS[modality], l0, l1)
-            pending.append((i, shard, text, latents, modality, grid_thw, domain, n_clean))
+            pending.append((i, shard, text, latents, modality, grid_thw, domain, n_clean, fps_mhz / 1000 or None))
         samples = []
-        for i, shard, text, latents, modality, grid_thw, domain, n_clean in pending:
+        for i, shard, text, latents, modality, grid_thw, domain, n_clean, fps in pending:
             sample = Sample(self._finish_read(text), modality, None if latents is None else self._finish_read(latents),
-                            grid_thw, domain, n_clean)
+                            grid_thw, domain, n_clean, fps)
             sample.validate(f"sample store {self.dir}: sample {i} ({shard})")
             samples.append(sample)
         return samples

@@ -22,6 +22,7 @@ KIND_PROBS = (0.15, 0.3, 0.25, 0.2, 0.1)
 VIDEO_GRIDS = ((1, 2, 2), (2, 2, 3), (2, 3, 4), (3, 4, 4))  # latent frames, height, width
 MAX_MISSES = 4
 RESOLUTION_SHIFT = 3.0  # sigma shift for the smallest (256p) resolution
+FRAME_RATES = (24.0, 30.0)  # clips and robot logs come at either; the class picks (no extra draw)
 
 
 class CosmosSamples:
@@ -56,14 +57,15 @@ class CosmosSamples:
             n, width = int(np.prod(grid)), c.latent_patch_dim
             latents = self._video_mean[cls, :width] + 0.3 * rng.standard_normal((n, width))
             n_clean = grid[1] * grid[2] if kind == "image2video" else 0  # the first latent frame
-            return Sample(text, VIDEO, latents.astype(np.float32), grid, 0, n_clean)
+            return Sample(text, VIDEO, latents.astype(np.float32), grid, 0, n_clean, FRAME_RATES[cls % 2])
         modality = ACTION if kind == "action" else SOUND
         n = int(rng.integers(4, 13))
         width = self.widths()[modality]
         steps = np.arange(n, dtype=np.float32)[:, None]
         latents = np.sin(0.5 * steps + self._phase[cls, :width]) + 0.1 * rng.standard_normal((n, width))
         domain = int(rng.integers(c.num_action_domains)) if modality == ACTION else 0
-        return Sample(text, modality, latents.astype(np.float32), (n, 1, 1), domain, 0)
+        fps = FRAME_RATES[cls % 2] if modality == ACTION else None  # sound runs at its latent rate
+        return Sample(text, modality, latents.astype(np.float32), (n, 1, 1), domain, 0, fps)
 
 
 class SyntheticCosmos:

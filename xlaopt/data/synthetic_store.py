@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 
-from xlaopt.data.store import StoreWriter
+from xlaopt.data.store import VERSION, StoreWriter
 from xlaopt.data.synthetic_cosmos import CosmosSamples
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3_config import Cosmos3Config
@@ -40,8 +40,8 @@ def cache_root() -> pathlib.Path:
 def default_store(config: Cosmos3Config, seed: int = 0, samples: int = DEFAULT_SAMPLES) -> pathlib.Path:
     """The default store for `config`'s data shape, made on first use (written under a
     temporary name and renamed, so a crash or a concurrent run never sees half a store)."""
-    key = json.dumps({f: getattr(config, f) for f in _DATA_FIELDS} | {"seed": seed, "samples": samples},
-                     sort_keys=True)
+    key = json.dumps({f: getattr(config, f) for f in _DATA_FIELDS}
+                     | {"seed": seed, "samples": samples, "format": VERSION}, sort_keys=True)
     name = f"{config.name}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     path = cache_root() / "stores" / name
     if (path / "manifest.json").exists():

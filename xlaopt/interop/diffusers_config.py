@@ -2,8 +2,8 @@
 
 Every field of the reference config is either mapped to a `Cosmos3Config` field, kept as a
 `ReferenceSettings` field (things the reference's pipeline or forward call reads that are
-not model weights: which generator heads exist, the fps modulation of mRoPE positions, the
-timestep scale), or rejected. Unknown fields and unsupported values are all listed in one
+not model weights: which generator heads exist, the timestep scale), or rejected. The fps
+modulation of mRoPE positions is model config: xlaopt's packer builds positions by it. Unknown fields and unsupported values are all listed in one
 `UserError`, never silently dropped.
 """
 from __future__ import annotations
@@ -38,9 +38,9 @@ class ReferenceSettings:
     parameters (checkpoint metadata) so an export writes the same config.json back."""
     action_gen: bool = False
     sound_gen: bool = False
-    enable_fps_modulation: bool = True
-    base_fps: int = 24
-    sound_latent_fps: float = 25.0
+    # As written; it only has an effect without qk_norm_for_text (see the config's
+    # reasoner_key_norm_for_generator), so it is kept to write the same config back.
+    use_und_k_norm_for_gen: bool = False
     timestep_scale: float = 0.001
     rope_scaling: dict | None = None
 
@@ -78,6 +78,8 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
         rope_theta=float(get("rope_theta", 5e6)), vocab_size=get("vocab_size", 151936),
         latent_channels=get("latent_channel", 48), patch_size=get("latent_patch_size", 2),
         temporal_margin=get("unified_3d_mrope_temporal_modality_margin", 15000),
+        fps_modulation=bool(get("enable_fps_modulation", True)), base_fps=get("base_fps", 24),
+        sound_latent_fps=float(get("sound_latent_fps", 25.0)),
         timestep_freq_dim=TIMESTEP_CHANNELS,
     )
     act = get("hidden_act", "silu")
@@ -107,13 +109,10 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
     _check(float(get("attention_dropout", 0.0)) == 0.0, problems, "attention_dropout != 0 (not implemented)")
     _check(get("unified_3d_mrope_reset_spatial_ids", True) is True, problems,
            "unified_3d_mrope_reset_spatial_ids=False (xlaopt's packer restarts h, w at 0 per segment)")
-    qk_text = get("qk_norm_for_text", True)
-    und_k_for_gen = get("use_und_k_norm_for_gen", False)
-    _check(qk_text is True, problems,
-           "qk_norm_for_text=False (a reasoner without per-head QK norm is not implemented in xlaopt's towers)")
-    _check(not (und_k_for_gen and not qk_text), problems,
-           "use_und_k_norm_for_gen=True with qk_norm_for_text=False (a separate key norm for reasoner keys "
-           "seen by generator queries is not implemented)")
+    # The reference builds the separate key norm only for a reasoner without its own QK norm.
+    d["reasoner_qk_norm"] = bool(get("qk_norm_for_text", True))
+    und_k_for_gen = bool(get("use_und_k_norm_for_gen", False))
+    d["reasoner_key_norm_for_generator"] = und_k_for_gen and not d["reasoner_qk_norm"]
     timestep_scale = float(get("timestep_scale", 0.001))
     _check(abs(timestep_scale * NUM_TRAIN_TIMESTEPS - 1.0) < 1e-12, problems,
            f"timestep_scale={timestep_scale} (xlaopt embeds sigma = timestep/{NUM_TRAIN_TIMESTEPS} directly; "
@@ -131,9 +130,7 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
     d["sound_dim"] = int(sound_dim) if sound_gen else ABSENT_DIM
 
     settings = ReferenceSettings(
-        action_gen=action_gen, sound_gen=sound_gen, enable_fps_modulation=bool(get("enable_fps_modulation", True)),
-        base_fps=get("base_fps", 24), sound_latent_fps=float(get("sound_latent_fps", 25.0)),
-        timestep_scale=timestep_scale, rope_scaling=rope_scaling)
+        action_gen=action_gen, sound_gen=sound_gen, use_und_k_norm_for_gen=und_k_for_gen, timestep_scale=timestep_scale, rope_scaling=rope_scaling)
     unknown = sorted(cfg)
     if unknown:
         problems.insert(0, f"unknown fields {unknown}")
@@ -160,8 +157,8 @@ def diffusers_from_cosmos3(config: Cosmos3Config, settings: ReferenceSettings) -
         "action_gen": settings.action_gen,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "base_fps": settings.base_fps,
-        "enable_fps_modulation": settings.enable_fps_modulation,
+        "base_fps": config.base_fps,
+        "enable_fps_modulation": config.fps_modulation,
         "head_dim": config.head_dim,
         "hidden_act": act,
         "hidden_size": config.d_model,
@@ -173,18 +170,18 @@ def diffusers_from_cosmos3(config: Cosmos3Config, settings: ReferenceSettings) -
         "num_hidden_layers": config.num_layers,
         "num_key_value_heads": config.num_kv_heads,
         "patch_latent_dim": config.latent_patch_dim,
-        "qk_norm_for_text": True,
+        "qk_norm_for_text": config.reasoner_qk_norm,
         "rms_norm_eps": config.norm_eps,
         "rope_axes_dim": list(config.mrope_sections),
         "rope_scaling": settings.rope_scaling,
         "rope_theta": config.rope_theta,
         "sound_dim": config.sound_dim if settings.sound_gen else None,
         "sound_gen": settings.sound_gen,
-        "sound_latent_fps": settings.sound_latent_fps,
+        "sound_latent_fps": config.sound_latent_fps,
         "timestep_scale": settings.timestep_scale,
         "unified_3d_mrope_reset_spatial_ids": True,
         "unified_3d_mrope_temporal_modality_margin": config.temporal_margin,
-        "use_und_k_norm_for_gen": False,
+        "use_und_k_norm_for_gen": settings.use_und_k_norm_for_gen or config.reasoner_key_norm_for_generator,
         "vocab_size": config.vocab_size,
     }
     return out

@@ -17,6 +17,7 @@ The layout (diffusers -> xlaopt, per layer i of the scanned `layers`):
   ...to_k / add_k_proj, to_v / add_v_proj [N*K, D]           -> k_proj_DNK, v_proj_DNK [L, D, N, K]
   ...to_out / to_add_out .weight [D, H*K]                    -> o_proj_HKD [L, H, K, D]
   ...norm_q / norm_added_q, norm_k / norm_added_k .weight    -> q_norm/scale, k_norm/scale [L, K]
+  ...self_attn.k_norm_und_for_gen.weight (Edge)                -> reasoner side_k_norm/scale [L, K]
   input_layernorm(_moe_gen), post_attention_layernorm(_moe_gen) -> attn_norm/scale, mlp_norm/scale
   mlp(_moe_gen).{gate,up}_proj [F, D], down_proj [D, F]      -> mlp/{gate,up}_DF, mlp/down_FD
 and embed_tokens, lm_head, norm / norm_moe_gen, proj_in / proj_out (vae2llm / llm2vae),
@@ -277,8 +278,13 @@ def mapping(config: Cosmos3Config, settings: ReferenceSettings) -> list[Entry]:
             _split_out(att + m["k"] + ".weight", (N * K, D), lay("k_proj_DNK"), N, K),
             _split_out(att + m["v"] + ".weight", (N * K, D), lay("v_proj_DNK"), N, K),
             _split_in(att + m["o"] + ".weight", (D, H * K), lay("o_proj_HKD"), H, K),
-            _identity(att + m["qn"] + ".weight", (K,), lay("q_norm", "scale"), True),
-            _identity(att + m["kn"] + ".weight", (K,), lay("k_norm", "scale"), True),
+        ]
+        if tower == "generator" or c.reasoner_qk_norm:
+            out += [_identity(att + m["qn"] + ".weight", (K,), lay("q_norm", "scale"), True),
+                    _identity(att + m["kn"] + ".weight", (K,), lay("k_norm", "scale"), True)]
+        if tower == "reasoner" and c.reasoner_key_norm_for_generator:
+            out.append(_identity(att + "k_norm_und_for_gen.weight", (K,), lay("side_k_norm", "scale"), True))
+        out += [
             _identity(f"layers.{{i}}.{m['mlp_norm']}.weight", (D,), lay("mlp_norm", "scale"), True),
             _transposed(f"layers.{{i}}.{m['mlp']}.up_proj.weight", (F, D), lay("mlp", "up_DF"), True),
             _transposed(f"layers.{{i}}.{m['mlp']}.down_proj.weight", (D, F), lay("mlp", "down_FD"), True),

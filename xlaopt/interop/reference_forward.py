@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xlaopt.data.packing import generator_positions
 from xlaopt.errors import UserError
 from xlaopt.interop.diffusers_config import ReferenceSettings
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO, Cosmos3
+from xlaopt.models import mrope
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 LIST_KWARGS = ("vision_tokens", "vision_token_shapes", "vision_noisy_frame_indexes", "sound_tokens",
@@ -31,7 +33,6 @@ INT_KWARGS = ("und_len", "sequence_length")
 ARRAY_KWARGS = ("input_ids", "text_indexes", "position_ids", "vision_sequence_indexes", "vision_mse_loss_indexes",
                 "vision_timesteps", "sound_sequence_indexes", "sound_mse_loss_indexes", "sound_timesteps",
                 "action_sequence_indexes", "action_mse_loss_indexes", "action_timesteps")
-VAE_TEMPORAL_COMPRESSION = 4  # Wan2.2: 4 video frames per latent frame
 
 
 class SampleError(UserError):
@@ -86,51 +87,19 @@ def load_sample(path) -> dict:
 
 # ---- positions and samples, as the reference pipeline builds them ----------------------
 
-def text_position_ids(n: int, offset, float_positions: bool) -> tuple[np.ndarray, float]:
-    ids = (np.arange(n, dtype=np.float32) + np.float32(offset) if float_positions
-           else np.arange(n, dtype=np.int64) + int(offset))
-    return np.broadcast_to(ids, (3, n)).copy(), offset + n
-
-
-def vae_position_ids(grid_t: int, grid_h: int, grid_w: int, offset, fps: float | None, base_fps: float,
-                     compression: int, base_compression: int | None = None, start_frame: int = 0) -> np.ndarray:
-    """[3, t*h*w] (t, h, w) ids of a latent grid, time-major; with `fps` (and more than one
-    frame) t is rescaled to the base frame rate and kept fractional (fp32)."""
-    spatial = grid_h * grid_w
-    h = np.broadcast_to(np.arange(grid_h)[None, :, None], (grid_t, grid_h, grid_w)).ravel()
-    w = np.broadcast_to(np.arange(grid_w)[None, None, :], (grid_t, grid_h, grid_w)).ravel()
-    if fps is not None and grid_t > 1:
-        tps = np.float32(fps / compression)
-        base_tps = np.float32(base_fps / (base_compression or compression))
-        frames = np.arange(grid_t, dtype=np.float32)
-        t = ((frames + np.float32(start_frame)) / tps * base_tps + np.float32(offset)).astype(np.float32)
-        return np.stack([np.repeat(t, spatial), h.astype(np.float32), w.astype(np.float32)])
-    t = np.repeat(np.arange(grid_t, dtype=np.int64), spatial) + int(offset) + start_frame
-    return np.stack([t, h, w]).astype(np.int64)
-
-
-def reference_positions(config: Cosmos3Config, settings: ReferenceSettings, n_text: int,
-                        video_grid: tuple[int, int, int] | None = None, n_sound: int = 0, n_action: int = 0,
-                        fps: float = 24.0) -> np.ndarray:
+def reference_positions(config: Cosmos3Config, n_text: int, video_grid: tuple[int, int, int] | None = None,
+                        n_sound: int = 0, n_action: int = 0, fps: float = 24.0) -> np.ndarray:
     """[3, S] position ids of [text | video | sound | action] as the reference pipeline builds
     them: text from 0, every generator modality from the same temporal offset (text length +
-    margin); with fps modulation video time runs at fps / base_fps, sound at its latent rate,
-    actions at video frame rate starting one frame in."""
-    mod = settings.enable_fps_modulation
-    parts = []
-    text, nxt = text_position_ids(n_text, 0, mod)
-    parts.append(text)
-    offset = nxt + config.temporal_margin
-    if video_grid is not None:
-        parts.append(vae_position_ids(*video_grid, offset, fps if mod else None, settings.base_fps,
-                                      VAE_TEMPORAL_COMPRESSION))
-    if n_sound:
-        parts.append(vae_position_ids(n_sound, 1, 1, offset, settings.sound_latent_fps if mod else None,
-                                      settings.base_fps, 1))
-    if n_action:
-        parts.append(vae_position_ids(n_action, 1, 1, offset, fps if mod else None, settings.base_fps, 1,
-                                      VAE_TEMPORAL_COMPRESSION, start_frame=1))
-    dtype = np.float32 if any(p.dtype == np.float32 for p in parts) else np.int64
+    margin), each on its clock (`xlaopt.data.packing.generator_positions`, the packer's rule).
+    Like the pipeline's, the ids are float32 with fps modulation and int64 without."""
+    t0 = mrope.temporal_offset(n_text, config.temporal_margin)
+    parts = [mrope.text_positions(n_text)]
+    for modality, grid in ((VIDEO, video_grid), (SOUND, (n_sound, 1, 1) if n_sound else None),
+                           (ACTION, (n_action, 1, 1) if n_action else None)):
+        if grid is not None:
+            parts.append(generator_positions(modality, grid, t0, fps, config))
+    dtype = np.float32 if config.fps_modulation else np.int64
     return np.concatenate([p.astype(dtype) for p in parts], axis=1)
 
 
@@ -158,7 +127,7 @@ def make_sample(config: Cosmos3Config, settings: ReferenceSettings, seed: int, n
     kw = dict(
         input_ids=rng.integers(0, c.vocab_size, n_text).astype(np.int64),
         text_indexes=np.arange(und, dtype=np.int64),
-        position_ids=reference_positions(c, settings, n_text, (lt, ph, pw), n_sound, n_action, fps),
+        position_ids=reference_positions(c, n_text, (lt, ph, pw), n_sound, n_action, fps),
         und_len=und, sequence_length=seq,
         vision_tokens=[rng.standard_normal((1, c.latent_channels, lt, lh, lw)).astype(np.float32)],
         vision_token_shapes=[(lt, ph, pw)],
