@@ -50,6 +50,12 @@ def test_passes_lists_the_pipeline(capsys):
     (["train", "--model", "cosmos3-tiny", "--mesh", "data=16"], "needs 16 devices but cpu has 8"),
     (["train", "--model", "cosmos3-tiny", "--mesh", "data=1024"], "at most 512 simulated CPU devices"),
     (["verify", "--model", "cosmos3-tiny", "--disable", "nope"], "unknown pass 'nope'"),
+    (["train", "--model", "cosmos3-tiny", "--coordinator", "127.0.0.1:1234"], "needs --coordinator HOST:PORT, "
+     "--num-processes N and --process-id I together"),
+    (["train", "--model", "cosmos3-tiny", "--coordinator", "127.0.0.1", "--num-processes", "2", "--process-id", "0"],
+     "expected HOST:PORT"),
+    (["train", "--model", "cosmos3-tiny", "--mesh", "data=3", "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+      "--process-id", "0"], "a mesh of 3 devices does not split over 2 processes"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
     assert main(args + ["--steps", "1"] if args[0] == "train" else args) == 2

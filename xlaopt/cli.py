@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt DIR, or start fresh when there is none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="join a multi-process jax.distributed job (process 0's address; with --num-processes "
+                        "and --process-id). Each process brings mesh devices / N devices and reads its own rows")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N")
+    p.add_argument("--process-id", type=int, default=None, metavar="I")
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
     p = sub.add_parser("inspect", help="compile one step and list its collectives and memory (nothing runs)")
@@ -149,9 +154,16 @@ def _program_on_devices(args):
     from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
 
+    from xlaopt import distributed
+
     mesh = MeshSpec.parse(args.mesh)
     config = get_config(args.model, parse_overrides(args.model, args.set))
-    request_cpu_devices(mesh.num_devices)
+    job = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]  # `train` only
+    if distributed.check_args(*job):
+        request_cpu_devices(distributed.local_device_count(mesh.num_devices, args.num_processes))
+        distributed.initialize(*job)
+    else:
+        request_cpu_devices(mesh.num_devices)
     make_mesh(mesh)  # enough devices? say so before any compilation or data making
     default = family_of(config).default_batch
     data = getattr(args, "data", "memory")  # only `train` reads data
@@ -209,10 +221,14 @@ def cmd_train(args) -> int:
     elif args.resume or args.ckpt_every is not None:
         raise UserError("--resume and --ckpt-every need --ckpt DIR")
     program, passes = _apply_pipeline(args, program, args.dump_hlo)
-    result = train(program, args.steps, progress=not args.no_progress, data_dir=args.data, ckpt=ckpt)
+    import jax
+
+    lead = jax.process_index() == 0  # in a multi-process job, one process reports
+    result = train(program, args.steps, progress=lead and not args.no_progress, data_dir=args.data, ckpt=ckpt)
     result["passes"] = passes
-    print(result["message"] if not result["steps"] else format_summary(result))
-    _write_json(args.json, result)
+    if lead:
+        print(result["message"] if not result["steps"] else format_summary(result))
+        _write_json(args.json, result)
     return 0
 
 

@@ -5,6 +5,7 @@ import contextlib
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.mesh import make_mesh
@@ -47,7 +48,32 @@ class CompiledProgram:
         self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
 
     def put_batch(self, batch: dict):
-        return jax.device_put(batch, self.batch_shardings)
+        """Host batch -> global arrays. In a multi-process job `batch` holds this process's
+        `local_rows()` of the global batch (see `local_part`)."""
+        if jax.process_count() == 1:
+            return jax.device_put(batch, self.batch_shardings)
+        return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], v, self._abstract_batch[k].shape)
+                for k, v in batch.items()}
+
+    def local_part(self, batch: dict) -> dict:
+        """This process's rows of a whole host batch."""
+        if jax.process_count() == 1:
+            return batch
+        rows = self.local_rows()
+        spec = batch_spec(self.program)
+        return {k: np.take(v, rows, axis=spec[k][2].index("batch")) for k, v in batch.items()}
+
+    def local_rows(self) -> range:
+        """The rows of a global batch this process's devices hold: a loader need read only these."""
+        name, (shape, _, axes) = next(iter(batch_spec(self.program).items()))
+        axis, rows = axes.index("batch"), shape[axes.index("batch")]
+        held = set()
+        for index in self.batch_shardings[name].addressable_devices_indices_map(shape).values():
+            held.update(range(*index[axis].indices(rows)))
+        if held != set(range(min(held), max(held) + 1)):
+            raise ValueError(f"this process holds batch rows {sorted(held)}, not one contiguous block; order the "
+                             f"mesh's devices by process")
+        return range(min(held), max(held) + 1)
 
     @functools.cached_property
     def lowered(self):

@@ -96,11 +96,11 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     if data_dir is not None:
         loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
         loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
-                        state=loader_state)
+                        state=loader_state, rows=compiled.local_rows())
         batches = (_counted(program, next(loader)) for _ in range(start, steps))
     else:
         data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
-        batches = prefetch(lambda i: _counted(program, data.batch(start + i)), steps - start)
+        batches = prefetch(lambda i: _counted(program, compiled.local_part(data.batch(start + i))), steps - start)
     bar = ProgressBar(steps - start) if progress else None
     records, flops, tokens, saves = [], [], [], []
     for step in range(start, steps):
@@ -127,6 +127,10 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         loader.close()
     if manager is not None:
         manager.close()
+    rows = compiled.local_rows()
+    tokens, flops = _job_totals(tokens, flops, len(rows) / program.settings.batch.batch_size)
+    for record, n in zip(records, tokens):
+        record["tokens"] = n
     timed = records[1:] or records
     busy = sum(r["step_time_s"] + r["data_wait_s"] for r in timed)
     peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), program.settings.compute_dtype)
@@ -146,7 +150,8 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         "tokens_per_s": sum(tokens[1:] or tokens) / busy,
         "data_wait_fraction": sum(r["data_wait_s"] for r in timed) / busy,
         "padding_fraction": 1.0 - sum(tokens) / (len(tokens) * program.settings.batch.tokens),
-        "data": ({"store": str(data_dir), "prefetch_window": loader.prefetch, "state": loader.state().to_json()}
+        "data": ({"store": str(data_dir), "prefetch_window": loader.prefetch, "state": loader.state().to_json(),
+                  "rows_read": [rows.start, rows.stop]}
                  if loader is not None else {"synthetic": family_of(program.model).name}),
         "model_flops_per_step": model_flops,
         "mfu": sum(flops[1:] or flops) / busy / peak.flops_per_s,
@@ -155,6 +160,20 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         "checkpoint": ({"dir": ckpt.directory, "resumed_from": resumed, "saves": saves,
                         "committed": manager.steps()} if ckpt is not None else None),
     }
+
+
+def _job_totals(tokens: list[int], flops: list[float], share: float) -> tuple[list[int], list[float]]:
+    """Per-step tokens and FLOPs of the whole job. Each process counted the rows it read, a
+    `share` of the batch; processes holding the same rows (a mesh replicating the batch
+    across them) counted them alike, so the sum over processes is divided by that overlap."""
+    if jax.process_count() == 1:
+        return tokens, flops
+    from jax.experimental import multihost_utils
+
+    overlap = jax.process_count() * share
+    tokens = multihost_utils.process_allgather(np.asarray(tokens, np.int32)).sum(axis=0) / overlap
+    flops = multihost_utils.process_allgather(np.asarray(flops, np.float32)).astype(np.float64).sum(axis=0) / overlap
+    return [round(t) for t in tokens], [float(f) for f in flops]
 
 
 def format_summary(result: dict) -> str:

@@ -192,18 +192,24 @@ class Loader:
 
     def __init__(self, store: SampleStore, config: Cosmos3Config, shape: BatchShape, seed: int = 0,
                  state: LoaderState | None = None, process_index: int = 0, process_count: int = 1,
-                 skip_oversize: bool = False, max_prefetch: int = 16):
-        if shape.batch_size % process_count:
+                 skip_oversize: bool = False, max_prefetch: int = 16, rows: range | None = None):
+        """This process reads the rows `rows` of every global batch (what its devices hold; see
+        `CompiledProgram.local_rows`), by default its 1/process_count share in process order."""
+        if rows is None and shape.batch_size % process_count:
             raise LoaderError(f"batch size {shape.batch_size} does not split over {process_count} processes")
+        if rows is not None and not (rows.step == 1 and 0 <= rows.start < rows.stop <= shape.batch_size):
+            raise LoaderError(f"rows {rows} are not a contiguous part of the {shape.batch_size} rows of a batch")
         for modality, width in store.widths.items():
             if width > config.generator_in_dim:
                 raise LoaderError(f"store {store.dir}: modality {modality} has width {width}, wider than "
                                   f"{config.name}'s generator input ({config.generator_in_dim})")
         self.store, self.config, self.shape, self.seed = store, config, shape, seed
         self.planner = Planner(store.lengths(), shape, seed, skip_oversize)
-        rows = shape.batch_size // process_count
-        self._rows = range(process_index * rows, (process_index + 1) * rows)
-        self._local_shape = dataclasses.replace(shape, batch_size=rows)
+        if rows is None:
+            share = shape.batch_size // process_count
+            rows = range(process_index * share, (process_index + 1) * share)
+        self._rows = rows
+        self._local_shape = dataclasses.replace(shape, batch_size=len(rows))
         self._consumed = state or LoaderState()
         self.prefetch, self.max_prefetch = 2, max_prefetch
         self._fill_times: collections.deque = collections.deque(maxlen=64)
