@@ -57,6 +57,10 @@ def test_bench_runs_both_contenders_on_one_budget(store_dir):
         assert r["budget_tokens"] == steps * budget and 0 < r["real_tokens"] <= r["budget_tokens"]
         assert r["padding_fraction"] == pytest.approx(1 - r["real_tokens"] / r["budget_tokens"])
         assert 0 <= r["data_wait_fraction"] < 1
+        alone = r["alone"]  # the loader with no training: its own throughput on the same budget
+        assert alone["tokens_per_s"] > 0 and alone["MBps"] > 0 and 0 <= alone["padding_fraction"] < 1
+    assert result["ratios"]["loader_alone_tokens_per_s_xlaopt_vs_grain"] == pytest.approx(
+        result["xlaopt"]["alone"]["tokens_per_s"] / result["grain"]["alone"]["tokens_per_s"])
     for key in ("disk_read_cold_MBps", "loader_read_cold_MBps", "loader_read_warm_MBps", "step_latency_s"):
         assert result[key] > 0
     assert isinstance(result["loader_io_bound"], bool) and len(result["rounds"]["xlaopt"]) == 1

@@ -13,9 +13,10 @@ state and a cold page cache. Reported:
   with step_latency the median time of the same step fed one fixed batch (measured each round);
   clipped at 0.
 
-Plus, without training: `disk_read_cold_MBps` (a sequential cold read of a scratch file on the
-store's file system) and the xlaopt loader's read bandwidth over the same samples, from a cold
-and from a warm page cache (payload bytes: text and latents as stored). Unless the warm pass is at
+Plus, without training: each loader alone (`alone`: `read_batches` batches as fast as it
+delivers them, cold page cache; real tokens/s, payload MB/s, padding), `disk_read_cold_MBps` (a
+sequential cold read of a scratch file on the store's file system) and the xlaopt loader's read
+bandwidth from a warm page cache (payload bytes: text and latents as stored). Unless the warm pass is at
 least twice as fast as the cold one, the loader is bound by its CPU work, not by the disk, and
 the result says so (`loader_io_bound`).
 
@@ -161,8 +162,10 @@ class _GrainFeed:
 
 
 class _XlaoptFeed:
-    def __init__(self, store_dir, config, shape, seed):
+    def __init__(self, store_dir, config, shape, seed, read_ahead: bool = False):
         self.loader = Loader(SampleStore(store_dir), config, shape, seed=seed)
+        if read_ahead:  # alone, nothing sizes its window: read ahead fully
+            self.loader.prefetch = self.loader.max_prefetch
 
     def __next__(self):
         return next(self.loader)
@@ -226,17 +229,16 @@ def _train_round(compiled, key, feed, steps: int, step_latency: float, budget: i
             "real_tokens": real, "budget_tokens": steps * budget, "train_time_s": train_time}
 
 
-def _read_pass(store_dir, config, shape, seed: int, batches: int, widths) -> float:
-    """The loader alone, `batches` batches read and packed as fast as it can: payload MB/s."""
-    feed = _XlaoptFeed(store_dir, config, shape, seed)
-    feed.loader.prefetch = feed.loader.max_prefetch  # nothing to wait for: read ahead fully
-    try:
-        t0, nbytes = time.perf_counter(), 0
-        for _ in range(batches):
-            nbytes += _payload_bytes(next(feed), widths)
-        return nbytes / (time.perf_counter() - t0) / 1e6
-    finally:
-        feed.close()
+def _loader_alone(feed, batches: int, budget: int, widths) -> dict:
+    """A loader with no training: `batches` batches read and packed as fast as it delivers them."""
+    t0, nbytes, real = time.perf_counter(), 0, 0
+    for _ in range(batches):
+        batch = next(feed)
+        nbytes += _payload_bytes(batch, widths)
+        real += _real_tokens(batch)
+    elapsed = time.perf_counter() - t0
+    return {"tokens_per_s": real / elapsed, "MBps": nbytes / elapsed / 1e6,
+            "padding_fraction": 1.0 - real / (batches * budget)}
 
 
 def _disk_read_cold_MBps(where: pathlib.Path, nbytes: int) -> float:
@@ -311,8 +313,8 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
         first.close()
         budget = shape.tokens
         rounds = {name: [] for name in CONTENDERS}
-        rounds |= {"step_latency_s": [], "disk_read_cold_MBps": [], "loader_read_cold_MBps": [],
-                   "loader_read_warm_MBps": []}
+        rounds |= {"step_latency_s": [], "disk_read_cold_MBps": [], "loader_read_warm_MBps": []}
+        rounds |= {f"{name}_alone": [] for name in CONTENDERS}
         cache = ""
         for r in range(repeats):
             latency = _step_latency(compiled, key, fixed, max(3, steps // 4))
@@ -327,17 +329,27 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
                 finally:
                     feed.close()
             rounds["disk_read_cold_MBps"].append(_disk_read_cold_MBps(store_dir, disk_probe_mb << 20))
-            read_pass = lambda: _read_pass(store_dir, config, shape, seed, read_batches, store.widths)
-            drop_page_cache([store_dir])
-            rounds["loader_read_cold_MBps"].append(read_pass())
-            rounds["loader_read_warm_MBps"].append(read_pass())  # the same samples, now in the page cache
+            for name in order:  # each loader alone, from a cold page cache
+                drop_page_cache([store_dir])
+                feed = (_XlaoptFeed(store_dir, config, shape, seed, read_ahead=True) if name == "xlaopt"
+                        else _GrainFeed(source, shape, seed))
+                try:
+                    rounds[f"{name}_alone"].append(_loader_alone(feed, read_batches, budget, store.widths))
+                    if name == "xlaopt":  # the same samples again, now in the page cache
+                        feed.close()
+                        feed = _XlaoptFeed(store_dir, config, shape, seed, read_ahead=True)
+                        rounds["loader_read_warm_MBps"].append(
+                            _loader_alone(feed, read_batches, budget, store.widths)["MBps"])
+                finally:
+                    feed.close()
             progress(f"round {r + 1}/{repeats}: step {latency * 1e3:.0f} ms; "
                      + "; ".join(f"{n} {rounds[n][-1]['tokens_per_s']:.0f} tok/s, pad "
                                  f"{100 * rounds[n][-1]['padding_fraction']:.1f}%, wait "
                                  f"{100 * rounds[n][-1]['data_wait_fraction']:.1f}%" for n in CONTENDERS)
                      + f"; disk cold {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s, loader read "
-                       f"{rounds['loader_read_cold_MBps'][-1]:.1f} MB/s cold / "
-                       f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm")
+                       f"{rounds['xlaopt_alone'][-1]['MBps']:.1f} MB/s cold / "
+                       f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm; alone "
+                       + ", ".join(f"{n} {rounds[n + '_alone'][-1]['tokens_per_s']:.0f} tok/s" for n in CONTENDERS))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -348,15 +360,19 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
               "tokens_per_step_budget": budget, "steps": steps, "repeats": repeats, "page_cache": cache,
               "step_latency_s": med(rounds["step_latency_s"]),
               "disk_read_cold_MBps": med(rounds["disk_read_cold_MBps"]),
-              "loader_read_cold_MBps": med(rounds["loader_read_cold_MBps"]),
+              "loader_read_cold_MBps": med(r["MBps"] for r in rounds["xlaopt_alone"]),
               "loader_read_warm_MBps": med(rounds["loader_read_warm_MBps"]),
               "read_batches": read_batches, "rounds": rounds}
     for name in CONTENDERS:
         result[name] = {k: med(r[k] for r in rounds[name]) for k in rounds[name][0]}
+        alone = rounds[f"{name}_alone"]
+        result[name]["alone"] = {k: med(r[k] for r in alone) for k in alone[0]}
     # I/O bound: a warm page cache at least doubles the rate (the disk, not the CPU, sets the pace).
     result["loader_io_bound"] = result["loader_read_warm_MBps"] >= 2 * result["loader_read_cold_MBps"]
     result["ratios"] = {
         "tokens_per_s_xlaopt_vs_grain": result["xlaopt"]["tokens_per_s"] / result["grain"]["tokens_per_s"],
+        "loader_alone_tokens_per_s_xlaopt_vs_grain": (result["xlaopt"]["alone"]["tokens_per_s"]
+                                                       / result["grain"]["alone"]["tokens_per_s"]),
         "loader_read_cold_vs_disk": result["loader_read_cold_MBps"] / result["disk_read_cold_MBps"]}
     return result
 
@@ -372,6 +388,9 @@ def format_table(result: dict) -> str:
         r = result[name]
         lines.append(f"{name:8}{r['tokens_per_s']:>10.0f}{100 * r['padding_fraction']:>8.1f}%"
                      f"{r['p99_next_s']:>12.4f}{100 * r['data_wait_fraction']:>10.1f}%")
+    lines.append("loaders alone (no training, cold page cache): " + ", ".join(
+        f"{n} {result[n]['alone']['tokens_per_s']:.0f} tokens/s ({100 * result[n]['alone']['padding_fraction']:.1f}% "
+        f"padding)" for n in CONTENDERS))
     lines.append(f"disk cold read {result['disk_read_cold_MBps']:.0f} MB/s ({result['page_cache']}); loader read pass "
                  f"({result['read_batches']} batches, no training) {result['loader_read_cold_MBps']:.1f} MB/s cold, "
                  f"{result['loader_read_warm_MBps']:.1f} MB/s warm: "
