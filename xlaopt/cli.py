@@ -23,6 +23,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     _model_args(p)
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
+    p.add_argument("--layout", default=None, metavar="FILE",
+                   help="a layout file (TOML/JSON: mesh and logical-axis rules; see xlaopt.layout) instead of --mesh")
     p.add_argument("--dtype", default=default_dtype, help=f"compute dtype (default {default_dtype})")
     p.add_argument("--batch-size", type=int, default=None, help="packed rows per step (default: the model family's)")
     p.add_argument("--text-len", type=int, default=None, help="text (reasoner) tokens per packed row")
@@ -156,7 +158,7 @@ def _program_on_devices(args):
 
     from xlaopt import distributed
 
-    mesh = MeshSpec.parse(args.mesh)
+    mesh, rules = _mesh_and_rules(args)
     config = get_config(args.model, parse_overrides(args.model, args.set))
     job = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]  # `train` only
     if distributed.check_args(*job):
@@ -186,7 +188,21 @@ def _program_on_devices(args):
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
-    return TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    return TrainProgram(config, mesh, rules=rules,
+                        settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+
+
+def _mesh_and_rules(args):
+    """The mesh and rule table of `--mesh` (default rules) or of `--layout FILE`."""
+    from xlaopt.layout import load_layout
+    from xlaopt.sharding import DEFAULT_RULES
+
+    if args.layout is None:
+        return MeshSpec.parse(args.mesh), DEFAULT_RULES
+    if args.mesh:
+        raise UserError("--mesh and --layout both given; a layout file holds its mesh, pass one or the other")
+    layout = load_layout(args.layout)
+    return layout.mesh, layout.rules
 
 
 def _apply_pipeline(args, program, dump_dir):
@@ -274,7 +290,7 @@ def cmd_analyze(args) -> int:
     from xlaopt.topology import parse_topology
 
     topology = parse_topology(args.topology)
-    mesh = MeshSpec.parse(args.mesh)
+    mesh, rules = _mesh_and_rules(args)
     if mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {mesh} needs {mesh.num_devices} devices but topology {topology.name} has "
                         f"{topology.num_devices}; use a smaller mesh or a larger topology")
@@ -291,7 +307,8 @@ def cmd_analyze(args) -> int:
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(analysis_batch_size(mesh, default.batch_size, args.batch_size),
                        pick(args.text_len, default.text_len), pick(args.gen_len, default.gen_len))
-    program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    program = TrainProgram(config, mesh, rules=rules,
+                           settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
     program, passes = _apply_pipeline(args, program, None)
     result = analyze(program, topology, args.target, args.trace, args.dump_hlo)
     result["passes"] = passes
