@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, metavar="DIR", help="a sample store (default: a synthetic one in a temp dir)")
     p.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    p.add_argument("--io", action="store_true",
+                   help="instead: the loader's read path vs the disk on real-size clips (a ~1.6 GB synthetic "
+                        "store of 720p video latents unless --store), cold page cache; no training")
+    p.add_argument("--dir", default=None, help="--io: where to make the synthetic store (default: the temp dir)")
     p.add_argument("--json", default=None, metavar="OUT")
     return parser
 
@@ -422,6 +426,13 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.bench_command == "data" and args.io:
+        from xlaopt.benchmarks import data_io
+
+        result = data_io.run_io(args.store, args.repeats, progress=print, scratch_dir=args.dir)
+        print(data_io.format_io_table(result))
+        _write_json(args.json, result)
+        return 0
     if args.bench_command == "data":
         from xlaopt.benchmarks import data as bench
         result = bench.run(args.store, args.steps, args.repeats, progress=print)

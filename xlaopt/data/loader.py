@@ -16,6 +16,7 @@ slowest (p95) batch takes to read against the step time.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import math
 import threading
@@ -225,29 +226,44 @@ class Loader:
         return self._consumed
 
     def _produce(self) -> None:
-        state = self._consumed
+        # The next batch's samples are read while this one is packed: packing is CPU work, and
+        # without the overlap the disk idles through it (25 MB clips on 2 cores: 315 -> 440 MB/s).
+        reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaopt-loader-read")
         try:
+            rows, state = self.planner.plan(self._consumed)
+            pending = reads.submit(self.store.read_many, self._local_ids(rows))
             while True:
                 with self._cv:
                     self._cv.wait_for(lambda: self._stop or len(self._queue) < self.prefetch)
                     if self._stop:
                         return
                 t0 = time.perf_counter()
+                samples, batch_rows, batch_state = pending.result(), rows, state
                 rows, state = self.planner.plan(state)
-                batch = self._read(rows, state)
+                pending = reads.submit(self.store.read_many, self._local_ids(rows))
+                batch = self._pack(batch_rows, batch_state, samples)
+                del samples  # their buffers go back to the store's reader before the next batch
                 self._fill_times.append(time.perf_counter() - t0)
                 with self._cv:
-                    self._queue.append((batch, state))
+                    self._queue.append((batch, batch_state))
                     self._cv.notify_all()
         except BaseException as e:  # surfaced by __next__
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
+        finally:
+            reads.shutdown(wait=False, cancel_futures=True)
+
+    def _local_ids(self, rows: list[list[int]]) -> list[int]:
+        # One read for all of this process's rows, so every sample's I/O overlaps.
+        return [i for row in self._rows for i in rows[row]]
 
     def _read(self, rows: list[list[int]], state: LoaderState) -> dict[str, np.ndarray]:
+        return self._pack(rows, state, self.store.read_many(self._local_ids(rows)))
+
+    def _pack(self, rows: list[list[int]], state: LoaderState, samples: list) -> dict[str, np.ndarray]:
         out = {k: np.zeros(s, d) for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
-        # One read for all of this process's rows, so tensorstore overlaps every sample's I/O.
-        samples = iter(self.store.read_many([i for row in self._rows for i in rows[row]]))
+        samples = iter(samples)
         for local, row in enumerate(self._rows):
             ids = rows[row]
             sigmas = [logit_normal_sigma(np.random.default_rng([self.seed, state.epoch, 1, i]), RESOLUTION_SHIFT)

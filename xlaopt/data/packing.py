@@ -37,15 +37,12 @@ def generator_positions(modality: int, grid: tuple[int, int, int], t0: int, fps:
     return mrope.grid_positions(*grid, t0, start, rate if config.fps_modulation else None)
 
 
-def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[str, np.ndarray]:
-    """One sample's per-token fields as they sit in a packed row, segment ids aside: text
-    tokens and (3, n_text) mRoPE positions; generator (3, n_gen) positions, modality, action
-    domain, noise mask, flow sigma and latents widened to the generator's input width."""
+def sample_fields(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[str, np.ndarray]:
+    """One sample's per-token fields as they sit in a packed row, segment ids and latents aside:
+    text tokens and (3, n_text) mRoPE positions; generator (3, n_gen) positions, modality,
+    action domain, noise mask and flow sigma."""
     n_text, n_gen = sample.n_text, sample.n_gen
     t0 = mrope.temporal_offset(n_text, config.temporal_margin)
-    x0 = np.zeros((n_gen, config.generator_in_dim), np.float32)
-    if n_gen:
-        x0[:, : sample.latents.shape[1]] = sample.latents
     return {
         "text_tokens": np.asarray(sample.text, np.int32),
         "text_positions": mrope.text_positions(n_text),
@@ -55,8 +52,16 @@ def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[s
         "gen_action_domain": np.full(n_gen, sample.domain, np.int32),
         "gen_noisy": np.arange(n_gen) >= sample.n_clean,
         "gen_sigma": np.full(n_gen, sigma, np.float32),
-        "gen_x0": x0,
     }
+
+
+def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[str, np.ndarray]:
+    """`sample_fields` plus the latents widened to the generator's input width (`gen_x0`):
+    everything a packer that concatenates per-token arrays needs (Grain's, in the benchmark)."""
+    x0 = np.zeros((sample.n_gen, config.generator_in_dim), np.float32)
+    if sample.n_gen:
+        x0[:, : sample.latents.shape[1]] = sample.latents
+    return sample_fields(sample, sigma, config) | {"gen_x0": x0}
 
 
 def fill_row(out: dict[str, np.ndarray], row: int, samples: Sequence[Sample], sigmas: Sequence[float],
@@ -64,14 +69,15 @@ def fill_row(out: dict[str, np.ndarray], row: int, samples: Sequence[Sample], si
     """Pack `samples` (with their flow sigmas) into row `row` of a zeroed batch `out`."""
     t_used = g_used = 0
     for segment, (sample, sigma) in enumerate(zip(samples, sigmas), start=1):
-        a = sample_arrays(sample, sigma, config)
+        a = sample_fields(sample, sigma, config)
         ts, gs = slice(t_used, t_used + sample.n_text), slice(g_used, g_used + sample.n_gen)
         out["text_tokens_BT"][row, ts] = a["text_tokens"]
         out["text_segment_ids_BT"][row, ts] = segment
         out["text_positions_3BT"][:, row, ts] = a["text_positions"]
         out["gen_segment_ids_BV"][row, gs] = segment
         out["gen_positions_3BV"][:, row, gs] = a["gen_positions"]
-        out["gen_x0_BVC"][row, gs] = a["gen_x0"]
+        if sample.n_gen:  # straight into the zeroed batch: multi-MB clips are copied once
+            out["gen_x0_BVC"][row, gs, : sample.latents.shape[1]] = sample.latents
         for name in ("gen_modality", "gen_action_domain", "gen_noisy", "gen_sigma"):
             out[f"{name}_BV"][row, gs] = a[name]
         t_used, g_used = ts.stop, gs.stop

@@ -1,0 +1,142 @@
+"""The shard-file read path: the same bytes as tensorstore, and loud, named failures."""
+import re
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from xlaopt.benchmarks.data_io import format_io_table, run_io
+from xlaopt.data.shard_reader import ShardError, ShardReader
+from xlaopt.data.store import SampleStore, StoreError, StoreWriter
+from xlaopt.data.synthetic_cosmos import CosmosSamples
+from xlaopt.data.synthetic_video import make_video_store
+from xlaopt.zarr3 import array_spec, open_spec
+
+
+@pytest.fixture(scope="module")
+def mixed_store(tmp_path_factory, tiny_config):
+    """Every modality, text-only samples too, over several shards."""
+    gen, rng = CosmosSamples(tiny_config, 0), np.random.default_rng(2)
+    path = tmp_path_factory.mktemp("mixed") / "store"
+    StoreWriter(path, gen.widths(), shard_bytes=48 << 10).add_all(gen.draw(rng) for _ in range(300)).close()
+    return path
+
+
+@pytest.fixture()
+def video_store(tmp_path, tiny_config):
+    """Clips of 3000 tokens x 32 channels: each spans two or three 2048-row inner chunks."""
+    make_video_store(tmp_path / "video", samples=6, tokens_per_clip=3000, config=tiny_config, shard_bytes=1 << 20)
+    return tmp_path / "video"
+
+
+def _same(a, b):
+    assert (a.modality, tuple(a.grid), a.domain, a.n_clean, a.fps) == (b.modality, tuple(b.grid), b.domain,
+                                                                        b.n_clean, b.fps)
+    assert a.text.dtype == b.text.dtype and a.text.tobytes() == b.text.tobytes()
+    if a.latents is None:
+        assert b.latents is None
+    else:
+        assert a.latents.shape == b.latents.shape and a.latents.tobytes() == b.latents.tobytes()
+
+
+def test_samples_equal_tensorstore_reads(mixed_store):
+    plain, direct = SampleStore(mixed_store, direct=False), SampleStore(mixed_store)
+    try:
+        assert len(plain.manifest["shards"]) > 2
+        ids = np.random.default_rng(0).permutation(len(plain))
+        for batch in np.array_split(ids, 10):
+            for a, b in zip(plain.read_many(batch), direct.read_many(batch)):
+                _same(a, b)
+    finally:
+        direct.close()
+
+
+def test_row_ranges_equal_tensorstore_reads(video_store):
+    array = video_store / "shard-00000" / "video"
+    want = ts.open(open_spec(array)).result()
+    rows = want.shape[0]
+    rng = np.random.default_rng(0)
+    ranges = [(0, rows), (0, 1), (2047, 2049), (2048, 4096), (rows - 1, rows), (5, 5)]
+    ranges += [tuple(sorted(rng.integers(0, rows + 1, 2))) for _ in range(20)]
+    with ShardReader(threads=3, piece_bytes=300 << 10) as reader:  # pieces of two inner chunks
+        for start, stop in ranges:
+            got = reader.read(array, start, stop).result()
+            assert got.tobytes() == want[start:stop].read().result().tobytes(), (start, stop)
+        # Into rows of a wider, zeroed batch: only those rows and columns change.
+        batch = np.zeros((2, 5000, 48), np.float32)
+        reader.read(array, 100, 4100, out=batch[1, 500:4500, :32]).result()
+        np.testing.assert_array_equal(batch[1, 500:4500, :32], want[100:4100].read().result())
+        assert not batch[0].any() and not batch[1, :500].any() and not batch[1, 4500:].any()
+        assert not batch[1, :, 32:].any()
+        with pytest.raises(ShardError, match="outside"):
+            reader.read(array, 0, rows + 1)
+
+
+def test_arrays_of_several_shard_files(tmp_path):
+    """Rows spread over several files (the layout allows it; the store writes one per array)."""
+    data = np.arange(1000 * 6, dtype=np.int64).reshape(1000, 6)
+    spec = array_spec(tmp_path / "a", data.shape, "int64", chunk=[256, 6], inner=[64, 6])
+    ts.open(spec).result().write(data).result()
+    assert len(list((tmp_path / "a" / "c").iterdir())) == 4
+    with ShardReader(threads=2, piece_bytes=2 << 10) as reader:
+        for start, stop in [(0, 1000), (250, 530), (255, 257), (999, 1000)]:
+            np.testing.assert_array_equal(reader.read(tmp_path / "a", start, stop).result(), data[start:stop])
+
+
+def test_chunks_out_of_order_on_disk(tmp_path):
+    """The index, not the file order, places each inner chunk (tensorstore may write them in any order)."""
+    import google_crc32c
+
+    data = np.arange(640 * 4, dtype=np.float32).reshape(640, 4)
+    ts.open(array_spec(tmp_path / "a", data.shape, "float32", inner=[64, 4])).result().write(data).result()
+    path = tmp_path / "a" / "c" / "0" / "0"
+    raw = path.read_bytes()
+    index = np.frombuffer(raw[-(16 * 10 + 4):-4], "<u8").reshape(10, 2)
+    chunks = [raw[o:o + n] for o, n in index]
+    order = [3, 1, 0, 2, 9, 8, 4, 5, 7, 6]  # the order they lie in the new file
+    body, new_index = b"", np.zeros_like(index)
+    for k in order:
+        new_index[k] = (len(body), len(chunks[k]))
+        body += chunks[k]
+    index_bytes = new_index.astype("<u8").tobytes()
+    path.write_bytes(body + index_bytes + google_crc32c.value(index_bytes).to_bytes(4, "little"))
+    np.testing.assert_array_equal(ts.open(open_spec(tmp_path / "a")).result().read().result(), data)
+    with ShardReader(threads=2, piece_bytes=3 << 10) as reader:
+        for start, stop in [(0, 640), (60, 300), (130, 131), (500, 640)]:
+            np.testing.assert_array_equal(reader.read(tmp_path / "a", start, stop).result(), data[start:stop])
+
+
+@pytest.mark.parametrize("damage", ["flip data", "flip index", "truncate", "delete"])
+def test_damage_names_the_file(video_store, damage):
+    path = video_store / "shard-00000" / "video" / "c" / "0" / "0"
+    data = bytearray(path.read_bytes())
+    if damage == "flip data":
+        data[len(data) // 3] ^= 0xFF
+    elif damage == "flip index":
+        data[-10] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    if damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(bytes(data))
+    reason = {"flip data": "crc32c mismatch in inner chunk", "flip index": "crc32c mismatch in the shard index",
+              "truncate": "crc32c mismatch in the shard index", "delete": "is missing"}[damage]
+    store = SampleStore(video_store)
+    try:
+        where = f"cannot read shard-00000/video: shard file {path}" + (" " if damage == "delete" else ": ")
+        with pytest.raises(StoreError, match=re.escape(where + reason)):
+            store.read_many(range(len(store)))
+    finally:
+        store.close()
+
+
+def test_io_bench_runs_and_reports(tmp_path, tiny_config):
+    result = run_io(repeats=1, progress=lambda *_: None, samples=6, tokens_per_clip=3000, config=tiny_config,
+                    scratch_dir=tmp_path)
+    for key in ("disk_read_cold_MBps", "disk_read_cold_parallel_MBps", "loader_read_cold_MBps",
+                "tensorstore_read_cold_MBps", "loader_batches_direct_cold_MBps"):
+        assert result[key] > 0 and len(result["rounds"][key]) == 1
+    assert result["pass_payload_bytes"] > 0 and result["ratios"]["loader_read_vs_disk"] > 0
+    assert "loader read path / disk cold read" in format_io_table(result)
+    assert not list(tmp_path.iterdir())  # the scratch store is gone
