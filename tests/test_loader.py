@@ -1,6 +1,7 @@
 """The store loader: every sample once per epoch, packed within budget, exact resume,
 also onto a different process count."""
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -133,8 +134,6 @@ def test_budget_split_follows_the_lengths(store):
 
 
 def test_train_reads_the_store(store, tmp_path):
-    import json
-
     from xlaopt.cli import main
 
     out = tmp_path / "train.json"
@@ -148,3 +147,16 @@ def test_train_reads_the_store(store, tmp_path):
     row = FAMILIES["cosmos3"].default_batch.text_len + FAMILIES["cosmos3"].default_batch.gen_len
     assert result["batch"]["text_len"] == split_budget(row, stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])[0]
     assert 0 <= result["padding_fraction"] < 0.25
+
+
+def test_train_stops_on_oversize_samples_or_skips_them_when_asked(store, tmp_path, capsys):
+    from xlaopt.cli import main
+
+    args = ["train", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--steps", "2", "--data", str(store.dir),
+            "--batch-size", "2", "--text-len", "16", "--gen-len", "20", "--no-progress"]
+    assert main(args) == 2  # before anything compiles
+    err = capsys.readouterr().err
+    assert "more than a row holds (16, 20)" in err and "--skip-oversize" in err
+    assert main(args + ["--skip-oversize", "--json", str(tmp_path / "out.json")]) == 0
+    assert "samples longer than a row" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out.json").read_text())["data"]["state"]["skipped"] > 0

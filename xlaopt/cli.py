@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; default: a synthetic "
                         "store made on first use under $XLAOPT_CACHE (~/.cache/xlaopt); `memory`: the "
                         "in-memory synthetic stream. Decoder models train on the in-memory text stream")
+    p.add_argument("--skip-oversize", action="store_true",
+                   help="skip stored samples longer than a row (counted in the loader state and the summary) "
+                        "instead of stopping with an error")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="save checkpoints (state and data position) here")
     p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
                    help="save every K steps (default: only after the last step)")
@@ -92,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="price published training runs with the cost model; per-row and "
                                          "leave-one-out errors")
     p.add_argument("--runs", required=True, metavar="CSV", help="published runs (schema: shared/calibration/README.md)")
+    p.add_argument("--method", default="analytic", choices=("analytic", "compiled"),
+                   help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
+                        "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
+                        "devices and price the HLO with the simulator, the rest analytically (about a minute)")
     p.add_argument("--json", default=None, metavar="OUT")
     p = sub.add_parser("parity", help="NVIDIA's reference (diffusers, torch, CPU) and xlaopt on the same sample: "
                                       "per-modality differences (needs xlaopt[parity])")
@@ -244,7 +251,8 @@ def cmd_train(args) -> int:
     import jax
 
     lead = jax.process_index() == 0  # in a multi-process job, one process reports
-    result = train(program, args.steps, progress=lead and not args.no_progress, data_dir=args.data, ckpt=ckpt)
+    result = train(program, args.steps, progress=lead and not args.no_progress, data_dir=args.data, ckpt=ckpt,
+                   skip_oversize=args.skip_oversize)
     result["passes"] = passes
     if lead:
         print(result["message"] if not result["steps"] else format_summary(result))
@@ -387,7 +395,7 @@ def cmd_import_weights(args) -> int:
 def cmd_calibrate(args) -> int:
     from xlaopt.calibrate import format_table, main_calibrate
 
-    print(format_table(main_calibrate(args.runs, args.json)))
+    print(format_table(main_calibrate(args.runs, args.json, method=args.method)))
     return 0
 
 

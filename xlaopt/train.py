@@ -62,7 +62,7 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
 
 
 def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None,
-          ckpt: CheckpointOptions | None = None) -> dict:
+          ckpt: CheckpointOptions | None = None, skip_oversize: bool = False) -> dict:
     """Train up to step `steps` on a sample store (`data_dir`, Cosmos 3) or on the family's
     synthetic stream; returns the run's JSON-able summary.
 
@@ -72,31 +72,35 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     With `ckpt`, the state and the data position are saved asynchronously; a resumed run
     sees exactly the batches an uninterrupted one would.
     """
-    manager = resumed = None
+    manager = resumed = meta = None
     if ckpt is not None:
         manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
         resumed = manager.latest() if ckpt.resume else None
         if resumed is not None:  # a checkpoint of another run is refused before compiling
-            _check_same_run(manager.manifest(resumed)["meta"], program, ckpt.directory)
+            meta = manager.manifest(resumed)["meta"]
+            _check_same_run(meta, program, ckpt.directory)
     compiled = compile_program(program)
+    loader = None
+    if data_dir is not None:  # before compiling: a store the batch cannot hold fails fast, and reading starts
+        loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
+        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
+                        state=loader_state, rows=compiled.local_rows(), skip_oversize=skip_oversize)
     t0 = time.perf_counter()
     compiled.train_step  # compile before the clock starts
     compile_s = time.perf_counter() - t0
     key = jax.random.key(program.settings.seed)
     if resumed is None:
-        state, meta = compiled.init(jax.random.fold_in(key, 0)), None
+        state = compiled.init(jax.random.fold_in(key, 0))
     else:
-        state, meta, _ = manager.restore(compiled.abstract_state, step=resumed)
+        state, _, _ = manager.restore(compiled.abstract_state, step=resumed)
     start = int(state.step)
     if start >= steps:
         manager.close()
+        if loader is not None:
+            loader.close()
         return {"model": program.model.name, "steps": [], "resumed_from": start,
                 "message": f"{ckpt.directory} is at step {start}; nothing to do for --steps {steps}"}
-    loader = None
-    if data_dir is not None:
-        loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
-        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
-                        state=loader_state, rows=compiled.local_rows())
+    if loader is not None:
         batches = (_counted(program, next(loader)) for _ in range(start, steps))
     else:
         data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
@@ -183,7 +187,9 @@ def format_summary(result: dict) -> str:
         f"steps {len(result['steps'])}  loss {result['loss_first5_mean']:.3f} -> {result['loss_last5_mean']:.3f}"
         f" (mean of first / last 5)",
         f"median step {result['median_step_time_s']:.3f}s  tokens/s {result['tokens_per_s']:.0f}  "
-        f"data wait {100 * result['data_wait_fraction']:.1f}%  compile {result['compile_s']:.1f}s",
+        f"data wait {100 * result['data_wait_fraction']:.1f}%  compile {result['compile_s']:.1f}s"
+        + (f"  skipped {result['data']['state']['skipped']} samples longer than a row"
+           if result["data"].get("state", {}).get("skipped") else ""),
         f"model FLOPs/step {result['model_flops_per_step'] / 1e9:.1f} G  MFU {100 * result['mfu']:.1f}% "
         f"of {result['peak_source']}",
     ])

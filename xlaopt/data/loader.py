@@ -65,7 +65,8 @@ class Planner:
             i = int(np.flatnonzero(too_long)[0])
             raise LoaderError(f"sample {i} has {lengths[i, 0]} text and {lengths[i, 1]} generator tokens, more "
                               f"than a row holds ({shape.text_len}, {shape.gen_len}) ({int(too_long.sum())} such "
-                              f"samples); raise --text-len/--gen-len or skip them with skip_oversize=True")
+                              f"samples); raise --text-len/--gen-len, or skip them (counted in the loader state) with "
+                              f"--skip-oversize")
         if too_long.all():
             raise LoaderError(f"no sample fits a row of ({shape.text_len}, {shape.gen_len}) text and generator "
                               f"tokens; raise --text-len/--gen-len")
