@@ -130,3 +130,84 @@ def test_the_h100_500w_card_and_gb200_domain_map_to_their_presets(tmp_path):
     assert cal.topology_for(runs["A"]).device.peak_flops["bfloat16"] == 912e12
     gb = cal.topology_for(runs["B"])
     assert (gb.nodes, gb.devices_per_node, gb.levels[0].name) == (1, 72, "nvlink5")
+
+
+# --- the compiled method -----------------------------------------------------------------------
+
+# R01 (MaxText Llama-2-7B, FSDP over 8 H100s) is the cheapest row to compile; R06 runs fp8, R11
+# context parallel, R12 pipeline parallel; R23 needs 64 simulated devices, the tests have 8.
+COMPILED_SAMPLE = ("R01", "R06", "R11", "R12", "R23")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    import time
+
+    runs = [r for r in cal.read_runs(RUNS) if r.id in COMPILED_SAMPLE]
+    t0 = time.perf_counter()
+    result = cal.calibrate(runs, method="compiled")
+    return result, time.perf_counter() - t0
+
+
+@needs_runs
+def test_which_rows_the_compiled_method_can_take():
+    from xlaopt.calibrate_compiled import compile_blocker
+
+    priced = {r.id: cal.prepare(r) for r in cal.read_runs(RUNS)}
+    blockers = {k: compile_blocker(p) for k, p in priced.items()}
+    assert sorted(k for k, why in blockers.items() if not why) == ["R01", "R05", "R08", "R23"]
+    assert all("fp8" in blockers[k] for k in ("R06", "R14", "R16"))
+    assert blockers["R11"].startswith("context parallel (cp=2)")
+    assert all(blockers[k].startswith("pipeline parallel (pp=") for k in ("R12", "R13", "R21"))
+
+
+@needs_runs
+def test_compiled_method_on_the_cheapest_row(compiled):
+    result, wall_s = compiled
+    assert wall_s < 60  # one 8-device compile of Llama-2-7B plus five leave-one-out refits
+    r01 = next(r for r in result["rows"] if r["id"] == "R01")
+    assert r01["method"] == "compiled" and r01["mesh"] == "fsdp=8" and "reason" not in r01
+    # Measured: compiled 2.20 s, analytic 1.46 s, published 1.45 s. Both price the same matmuls
+    # (1.07 s vs 1.05 s) and attention kernel (0.28 s); the compiled step adds what the CPU target
+    # cannot avoid: the FSDP gathers and reductions all exposed (0.15 s) and XLA CPU's f32 converts
+    # and copies around its matmuls (0.33 s), so it is at least ~1.3x. Below 1.8x: pricing the
+    # scan's widened buffers as written gives 2.7x, the decoder's own XLA attention 3.1x.
+    for reference in (r01["analytic_predicted"], r01["measured"]):
+        assert 1.2 < r01["predicted"] / reference < 1.8
+    b = r01["breakdown"]
+    assert b["micro_batches"] == 1 and b["step_time_s"] == pytest.approx(r01["predicted"])
+    assert b["step_time_s"] == pytest.approx(b["micro_batch_s"] + b["per_step_s"])
+    assert set(b["comm_by_axis"]) == {"fsdp"} and b["comm_s"] == pytest.approx(b["comm_by_axis"]["fsdp"])
+    # The fused attention kernel is priced exactly as the analytic model prices it.
+    run = next(r for r in cal.read_runs(RUNS) if r.id == "R01")
+    shape, layout, peak = run.shape, run.layout, 989e12
+    kernel = cm.attention_time_s(shape.attention_forward_flops(layout.micro_batch, layout.seq_len), peak, cm.FITTED)
+    assert b["attention_kernel_s"] == pytest.approx(shape.layers * 3.5 * kernel)
+    assert r01["approximations"] == ["recompute 'minimal' compiled as none: the decoder remats whole layers or nothing"]
+    assert math.isfinite(r01["loo_rel_error"]) and r01["loo_rel_error"] != r01["rel_error"]
+
+
+@needs_runs
+def test_rows_the_compiled_method_cannot_take_fall_back_to_analytic(compiled):
+    result, _ = compiled
+    by_id = {r["id"]: r for r in result["rows"]}
+    assert [r["method"] for r in result["rows"]] == ["compiled", "analytic", "analytic", "analytic", "analytic"]
+    assert by_id["R12"]["reason"] == "pipeline parallel (pp=4): xlaopt does not build pipelines"
+    assert by_id["R11"]["reason"].startswith("context parallel (cp=2)")
+    assert "fp8" in by_id["R06"]["reason"]
+    assert by_id["R23"]["reason"].startswith("needs 64 simulated CPU devices, this process has 8")
+    analytic = {r["id"]: r for r in cal.calibrate([r for r in cal.read_runs(RUNS) if r.id in COMPILED_SAMPLE],
+                                                  leave_one_out=False)["rows"]}
+    for k in ("R06", "R11", "R12", "R23"):  # the pipeline bubble and sends still priced, as before
+        assert by_id[k]["predicted"] == pytest.approx(analytic[k]["predicted"])
+    assert all(r["method"] == "analytic" and "reason" not in r for r in analytic.values())
+    assert result["compiled"] == 1 and result["compiled_median_abs_rel_error"] == pytest.approx(
+        abs(by_id["R01"]["rel_error"]))
+    table = cal.format_table(result)
+    assert "compiled on fsdp=8" in table and "analytic (not compiled: pipeline parallel (pp=4)" in table
+    assert "compiled rows: median |error|" in table
+
+
+def test_unknown_method_is_named():
+    with pytest.raises(UserError, match=r"calibration method 'simulated'; use one of analytic, compiled"):
+        cal.calibrate([], method="simulated")

@@ -3,12 +3,18 @@ efficiencies, and report the error per row and left out of the fit.
 
 The CSV schema is ../shared/calibration/README.md (one row per published run: machine, decoder
 shape, batch, parallel degrees, recomputation, precision, and the measured `step_time_s` or
-`tokens_per_s_per_gpu`). Each row is priced by `xlaopt.analytic.price_step` (method
-"analytic"): the layouts include pipeline and context parallelism that xlaopt does not build.
-A "compiled" method (compile the layout with xlaopt where it is data / FSDP / tensor parallel
-only, and price the collectives read from the HLO) is left for the analyze work. Rows that
-cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not multiply to
-the GPU count, ...) come back with method "unmodelled" and the reason, never dropped.
+`tokens_per_s_per_gpu`). Two methods price a row:
+
+- "analytic" (the default; seconds for all rows): `xlaopt.analytic.price_step`, which also
+  prices what xlaopt does not build (pipeline bubble and stage sends, context-parallel rings).
+- "compiled": where the layout is one xlaopt builds (data / FSDP / tensor parallel, at most 512
+  devices, bf16), xlaopt's generic decoder at the row's full size is compiled on a mesh with the
+  row's degrees and the HLO priced by the schedule simulator with the same efficiencies
+  (`xlaopt.calibrate_compiled`; 10 to 40 s per row on two CPU cores). Other rows fall back to
+  "analytic" with the reason the compiled method could not take them.
+
+Rows that cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not
+multiply to the GPU count, ...) come back with method "unmodelled" and the reason, never dropped.
 
 What the CSV does not say, and the sources do, is in `_SOURCED_SCHEDULES` (micro-batch size,
 virtual pipeline stages) and `_FRAMEWORKS` (how each framework runs: fused kernels, overlap,
@@ -36,6 +42,7 @@ REQUIRED_COLUMNS = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "mode
 REQUIRED_VALUES = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "layers", "d_model", "heads", "ffn",
                    "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp", "precision", "metric", "value")
 METRICS = ("step_time_s", "tokens_per_s_per_gpu")
+METHODS = ("analytic", "compiled")
 
 # Micro-batch size and virtual pipeline stages the sources give but the CSV does not, keyed by
 # (model, num_gpus, global_batch, seq_len). Without an entry: 1 sequence per micro-batch, no
@@ -244,10 +251,12 @@ def prepare(run: Run) -> Priced | str:
 
 def predict(p: Priced, eff: cm.Efficiency) -> float:
     """The row's metric as the cost model predicts it."""
-    step_s = price_step(p.run.shape, p.run.layout, p.topology, p.software, eff).step_time_s
-    if p.run.metric == "step_time_s":
-        return step_s
-    return p.run.tokens_per_step / step_s / p.run.num_gpus
+    return metric_of(p.run, price_step(p.run.shape, p.run.layout, p.topology, p.software, eff).step_time_s)
+
+
+def metric_of(run: Run, step_s: float) -> float:
+    """The row's metric for a step of `step_s` seconds."""
+    return step_s if run.metric == "step_time_s" else run.tokens_per_step / step_s / run.num_gpus
 
 
 # --- fitting ------------------------------------------------------------------------------------
@@ -325,30 +334,55 @@ def fit(priced: list[Priced], start: cm.Efficiency = FIT_START) -> cm.Efficiency
 
 # --- the report ---------------------------------------------------------------------------------
 
-def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True) -> dict:
+def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True,
+              method: str = "analytic", attention: str = "kernel", log=None) -> dict:
     """Per-row predictions with `eff`, summary errors, and leave-one-out figures (refit without
-    each modelled row, predict it)."""
+    each modelled row, predict it). `method` "compiled" compiles the rows it can (see the module
+    docstring; `attention` as in `xlaopt.calibrate_compiled`) and prices the rest analytically;
+    `log(message)` hears about each compilation."""
+    if method not in METHODS:
+        raise UserError(f"calibration method {method!r}; use one of {', '.join(METHODS)}")
     prepared = [(run, prepare(run)) for run in runs]
     priced = [p for _, p in prepared if isinstance(p, Priced)]
+    steps = compile_rows(priced, attention, log) if method == "compiled" else {}
     rows = []
     for run, p in prepared:
         if isinstance(p, str):
             rows.append(dict(id=run.id, predicted=None, measured=run.measured, rel_error=None,
                              method="unmodelled", metric=run.metric, reason=p))
             continue
-        predicted = predict(p, eff)
-        rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
-                         rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric))
+        step = steps.get(run.id)
+        if step is None or isinstance(step, str):
+            predicted = predict(p, eff)
+            rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
+                             rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric,
+                             **({"reason": step} if step else {})))
+            continue
+        priced_step = step.price(eff)
+        predicted = metric_of(run, priced_step["step_time_s"])
+        rows.append(dict(id=run.id, predicted=predicted, measured=run.measured, rel_error=predicted / run.measured - 1,
+                         method="compiled", metric=run.metric, analytic_predicted=predict(p, eff),
+                         mesh=str(step.mesh), attention=step.attention, compile_s=step.timings_s,
+                         breakdown=priced_step, approximations=step.approximations))
     errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
-    result = dict(efficiency=dataclasses.asdict(eff), rows=rows,
+    result = dict(method=method, efficiency=dataclasses.asdict(eff), rows=rows,
                   median_abs_rel_error=float(np.median(errors)) if errors else None,
                   max_abs_rel_error=float(np.max(errors)) if errors else None,
-                  modelled=len(priced), unmodelled=len(runs) - len(priced))
+                  modelled=len(priced), unmodelled=len(runs) - len(priced),
+                  compiled=sum(r["method"] == "compiled" for r in rows))
+    compiled_errors = [abs(r["rel_error"]) for r in rows if r["method"] == "compiled"]
+    if compiled_errors:
+        result.update(compiled_median_abs_rel_error=float(np.median(compiled_errors)),
+                      compiled_max_abs_rel_error=float(np.max(compiled_errors)))
     if leave_one_out and len(priced) > 1:
+        # The refits are of the analytic model (the compiled one is too slow to fit); a compiled row
+        # is predicted from its compiled step with the efficiencies fitted without it.
         loo = {}
         for i, p in enumerate(priced):
             refit = fit(priced[:i] + priced[i + 1:])
-            loo[p.run.id] = predict(p, refit) / p.run.measured - 1
+            step = steps.get(p.run.id)
+            predicted = step.predict(refit) if step is not None and not isinstance(step, str) else predict(p, refit)
+            loo[p.run.id] = predicted / p.run.measured - 1
         for r in rows:
             r["loo_rel_error"] = loo.get(r["id"])
         loo_abs = [abs(v) for v in loo.values()]
@@ -356,9 +390,36 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
     return result
 
 
-def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None) -> dict:
-    """`xlaopt calibrate --runs CSV [--json OUT]`: the report with the frozen efficiencies."""
-    result = calibrate(read_runs(runs_path))
+def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> dict:
+    """Row id -> its `CompiledStep`, or why it was not compiled. Asks for the simulated CPU
+    devices the largest compilable row needs first (possible only before JAX starts its backends;
+    a row needing more than the process has then says so)."""
+    from xlaopt import calibrate_compiled as cc
+    from xlaopt.mesh import request_cpu_devices
+
+    blockers = {p.run.id: cc.compile_blocker(p) for p in priced}
+    needed = [p.run.layout.num_devices for p in priced if not blockers[p.run.id]]
+    if needed:
+        request_cpu_devices(max(needed))
+    steps = {}
+    for p in priced:
+        if blockers[p.run.id]:
+            steps[p.run.id] = blockers[p.run.id]
+            continue
+        if log is not None:
+            log(f"compiling {p.run.id} ({p.run.model}, mesh {cc.mesh_for(p.run.layout)}) ...")
+        steps[p.run.id] = cc.compile_step(p, attention)
+    return steps
+
+
+def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None,
+                   method: str = "analytic") -> dict:
+    """`xlaopt calibrate --runs CSV [--method analytic|compiled] [--json OUT]`: the report with the
+    frozen efficiencies."""
+    import sys
+
+    log = lambda message: print(message, file=sys.stderr, flush=True)
+    result = calibrate(read_runs(runs_path), method=method, log=log)
     result["runs"] = str(runs_path)
     if json_out is not None:
         pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
@@ -367,18 +428,28 @@ def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path |
 
 def format_table(result: dict) -> str:
     """The report as a plain-text table."""
-    lines = [f"{'id':<5} {'metric':<21} {'measured':>10} {'predicted':>10} {'error':>7} {'LOO':>7}  method"]
+    compiled = result.get("method") == "compiled"
+    extra = f" {'analytic':>10}" if compiled else ""
+    lines = [f"{'id':<5} {'metric':<21} {'measured':>10} {'predicted':>10}{extra} {'error':>7} {'LOO':>7}  method"]
     for r in result["rows"]:
         if r["method"] == "unmodelled":
-            lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {'-':>10} {'-':>7} {'-':>7}  "
-                         f"unmodelled: {r['reason']}")
+            lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {'-':>10}{' ' * len(extra)} "
+                         f"{'-':>7} {'-':>7}  unmodelled: {r['reason']}")
             continue
         loo = r.get("loo_rel_error")
-        lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g} "
-                     f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {r['method']}")
+        analytic = f" {r.get('analytic_predicted', r['predicted']):>10.4g}" if compiled else ""
+        method = r["method"] + (f" (not compiled: {r['reason']})" if r.get("reason") else "")
+        if r["method"] == "compiled":
+            method += f" on {r['mesh']}, {r['compile_s']['lower'] + r['compile_s']['compile']:.0f} s to compile"
+        lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g}{analytic} "
+                     f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {method}")
     if result["median_abs_rel_error"] is not None:
         lines.append(f"median |error| {result['median_abs_rel_error']:.1%}, worst {result['max_abs_rel_error']:.1%} "
-                     f"({result['modelled']} rows modelled, {result['unmodelled']} unmodelled)")
+                     f"({result['modelled']} rows modelled, {result['unmodelled']} unmodelled"
+                     + (f", {result['compiled']} compiled)" if compiled else ")"))
+    if "compiled_median_abs_rel_error" in result:
+        lines.append(f"compiled rows: median |error| {result['compiled_median_abs_rel_error']:.1%}, "
+                     f"worst {result['compiled_max_abs_rel_error']:.1%}")
     if "loo_median_abs_rel_error" in result:
         lines.append(f"leave-one-out: median |error| {result['loo_median_abs_rel_error']:.1%}, "
                      f"worst {result['loo_max_abs_rel_error']:.1%}")
