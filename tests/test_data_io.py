@@ -24,8 +24,9 @@ def mixed_store(tmp_path_factory, tiny_config):
 
 @pytest.fixture()
 def video_store(tmp_path, tiny_config):
-    """Clips of 3000 tokens x 32 channels: each spans two or three 2048-row inner chunks."""
-    make_video_store(tmp_path / "video", samples=6, tokens_per_clip=3000, config=tiny_config, shard_bytes=1 << 20)
+    """Clips of up to 20,000 tokens x 32 channels (over 1 MiB each, so the store reads them with
+    the shard reader): each spans several 2048-row inner chunks."""
+    make_video_store(tmp_path / "video", samples=6, tokens_per_clip=20_000, config=tiny_config, shard_bytes=1 << 20)
     return tmp_path / "video"
 
 

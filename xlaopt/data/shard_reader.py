@@ -41,6 +41,9 @@ from xlaopt.errors import UserError
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
 PIECE_BYTES = 4 << 20  # one positioned read: large enough to stream, small enough to spread
 POOL_BYTES = 512 << 20  # freed result buffers kept for reuse
+# Smaller reads go through the page cache: O_DIRECT would send every re-read of a small sample
+# (text, actions, a toy store read epoch after epoch) to the disk, ~20x slower than the cache.
+DIRECT_MIN_BYTES = 1 << 20
 _MISSING = (1 << 64) - 1  # an inner chunk the shard does not hold
 _CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
@@ -88,6 +91,10 @@ class _Array:
     def file(self, outer_index: int) -> pathlib.Path:
         return self.path.joinpath("c", str(outer_index), *["0"] * (len(self.shape) - 1))
 
+    def shard_key(self, outer_index: int) -> tuple[str, int]:
+        """A cheap key for one shard file (building its path costs more than a small read)."""
+        return str(self.path), outer_index
+
 
 def _normal(codecs):
     """Codec lists as tensorstore writes them, with the bytes codec's default endianness spelled."""
@@ -112,13 +119,14 @@ class _Shard:
         except FileNotFoundError:
             raise ShardError(f"shard file {path} is missing") from None
         try:
+            self.cached_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW) if self.direct else self.fd
             self._load_index(array)
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        for fd in [self.fd, *self._retired]:
+        for fd in {self.fd, getattr(self, "cached_fd", self.fd), *self._retired}:
             os.close(fd)
 
     def _load_index(self, array: _Array) -> None:
@@ -146,6 +154,8 @@ class _Shard:
         read into: `buf` when large enough, else a new one (direct I/O reads whole aligned
         blocks around the range, so the buffer holds a little more)."""
         fd, direct = self.fd, self.direct
+        if direct and length < DIRECT_MIN_BYTES:
+            fd, direct = self.cached_fd, False
         lo = offset - offset % PAGE if direct else offset
         hi = -(-(offset + length) // PAGE) * PAGE if direct else offset + length
         if buf is None or len(buf) < hi - lo:
@@ -218,8 +228,8 @@ class _BufferPool:
 
     def empty(self, shape, dtype: np.dtype) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if self.limit <= 0 or nbytes < HUGE_PAGE:
-            return aligned_empty(shape, dtype)
+        if self.limit <= 0 or nbytes < HUGE_PAGE:  # small: the allocator is cheaper than the pool
+            return np.empty(shape, dtype)
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         with self._lock:  # the smallest free buffer that fits, if not over twice the size
             fits = [k for k, b in enumerate(self._free) if size <= len(b) <= 2 * size]
@@ -270,8 +280,8 @@ class ShardReader:
                  pool_bytes: int = POOL_BYTES):
         self.piece_bytes, self.direct = piece_bytes, direct
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="xlaopt-shard-read")
-        self._arrays: dict[pathlib.Path, _Array] = {}
-        self._shards: dict[pathlib.Path, _Shard] = {}
+        self._arrays: dict[str, _Array] = {}
+        self._shards: dict[tuple[str, int], _Shard] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
         self._buffers = _BufferPool(pool_bytes)
@@ -292,27 +302,28 @@ class ShardReader:
         self.close()
 
     def array_shape(self, path: str | os.PathLike) -> tuple[int, ...]:
-        return self._array(pathlib.Path(path)).shape
+        return self._array(path).shape
 
-    def _array(self, path: pathlib.Path) -> _Array:
+    def _array(self, path: str | os.PathLike) -> _Array:
+        key = os.fspath(path)
         with self._lock:
-            if path not in self._arrays:
-                self._arrays[path] = _Array(path)
-            return self._arrays[path]
+            if key not in self._arrays:
+                self._arrays[key] = _Array(pathlib.Path(path))
+            return self._arrays[key]
 
     def _shard(self, array: _Array, outer_index: int) -> _Shard:
-        path = array.file(outer_index)
+        key = array.shard_key(outer_index)
         with self._lock:  # opened once, its index read and checked once
-            if path not in self._shards:
-                self._shards[path] = _Shard(path, array, self.direct)
-            return self._shards[path]
+            if key not in self._shards:
+                self._shards[key] = _Shard(array.file(outer_index), array, self.direct)
+            return self._shards[key]
 
     def read(self, path: str | os.PathLike, start: int, stop: int, out: np.ndarray | None = None) -> RowsRead:
         """Start reading rows [start, stop) of the array at `path` (its directory); returns at
         once. `out`: where to put them (shape [stop - start, *row shape], any strides: e.g. rows
         of a packed batch), else a new page-aligned array. Errors (ShardError naming the file)
         surface from `result()`, except a bad array, row range or `out`, which raise here."""
-        array = self._array(pathlib.Path(path))
+        array = self._array(path)
         if not 0 <= start <= stop <= array.shape[0]:
             raise ShardError(f"{array.path}: rows {start}:{stop} outside 0:{array.shape[0]}")
         shape = (stop - start, *array.row_shape)
@@ -324,6 +335,15 @@ class ShardReader:
         pieces = []
         per_piece = max(1, self.piece_bytes // (array.chunk_bytes + 4))
         first, last = start // array.inner_rows, -(-stop // array.inner_rows)  # inner chunks, end exclusive
+        if (last - first) * (array.chunk_bytes + 4) < DIRECT_MIN_BYTES:
+            # A small read (served by the page cache) costs less than handing it to a thread.
+            done = concurrent.futures.Future()
+            try:
+                self._read_piece(array, first, last, start, stop, out)
+                done.set_result(None)
+            except Exception as e:  # surfaces from result(), as a threaded read's would
+                done.set_exception(e)
+            return RowsRead(out, [done])
         for k0 in range(first, last, per_piece):
             pieces.append(self._pool.submit(self._read_piece, array, k0, min(last, k0 + per_piece), start, stop, out))
         return RowsRead(out, pieces)
