@@ -10,6 +10,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# CPU only, also where a GPU plugin is installed (xlaopt[gpu-aot]): its compile-only topologies
+# need the plugin registered without a driver, and the tests' meshes are simulated CPU devices.
+jax.config.update("jax_platforms", "cpu")
 jax.devices()  # start the backend now so no later call can change the device count
 
 from xlaopt.data.batch import BatchShape  # noqa: E402

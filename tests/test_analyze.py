@@ -66,3 +66,18 @@ def test_cpu_target_mesh_cap_and_unknown_topology(argv, message, capsys):
     assert main(["analyze", "--model", "cosmos3-tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@needs_devices(2)
+def test_gpu_target_reads_async_collectives_and_their_overlap(tiny_fsdp2):
+    """With xlaopt[gpu-aot] (not installed by the test command: ~1 GB of CUDA wheels), the step
+    compiles deviceless for H100s and XLA's GPU schedule runs collectives async: the analysis
+    reports the compute each one overlaps."""
+    pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
+    result = analyze(tiny_fsdp2, parse_topology("h100:1x8"), "gpu")
+    assert set(REQUIRED) <= set(result)
+    asynchronous = [c for c in result["collectives"] if c["is_async"]]
+    assert asynchronous and {c["kind"] for c in asynchronous} >= {"all-gather", "reduce-scatter"}
+    assert sum(c["overlapped_compute_s"] for c in asynchronous) > 0
+    # Overlap hides communication: the step is shorter than compute plus communication in series.
+    assert result["step_time_s"] < result["compute_s"] + result["comm_s"]
