@@ -1,5 +1,6 @@
 """Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
 import os
+import socket
 import tempfile
 
 # Default sample stores made on first use go to a per-session directory, not the user's cache.
@@ -40,3 +41,25 @@ def synthetic_batch(tiny_config, batch_shape):
 
 def needs_devices(n: int):
     return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
+
+
+def free_port() -> int:
+    """A free local TCP port, for a `jax.distributed` coordinator."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(procs, timeout_s: float, expect: str = "") -> None:
+    """Wait for worker processes; each must exit 0 (and print `expect`). On a failure the rest
+    are killed: a failed peer leaves the others blocked in a collective or at a barrier."""
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            assert p.returncode == 0 and expect in out, \
+                f"{' '.join(map(str, p.args[1:]))} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

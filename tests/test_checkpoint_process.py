@@ -3,7 +3,6 @@ checkpoint restored by one, a disk that refuses writes, and the layout read by p
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import numpy as np
 
 from xlaopt.checkpoint import CheckpointManager
 
-from conftest import needs_devices
+from conftest import finish, free_port, needs_devices
 
 WORKER = str(pathlib.Path(__file__).with_name("ckpt_worker.py"))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -63,14 +62,8 @@ def test_sigkill_at_many_points_never_loses_the_last_committed_step(tmp_path):
 
 @needs_devices(8)
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [_worker("distributed", port, i, tmp_path, env=env) for i in range(2)]
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0 and "DONE" in out, err[-3000:]
+    env, port = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4"), free_port()
+    finish([_worker("distributed", port, i, tmp_path, env=env) for i in range(2)], 240, "DONE")
     w = _expected_and_target()
     manager = CheckpointManager(tmp_path)
     assert manager.steps() == [5] and manager.manifest(5)["process_count"] == 2

@@ -4,7 +4,6 @@ on. Together they must produce exactly what one uninterrupted process does."""
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ from xlaopt.data.synthetic_store import make_store
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import loader_worker as w  # noqa: E402
+from conftest import finish, free_port  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("loader_worker.py"))
 # Two devices per process: each holds one row of a process's half of the batch.
@@ -30,24 +30,6 @@ TIMEOUT_S = 120
 def _worker(*args):
     return subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def _finish(procs) -> None:
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=TIMEOUT_S)
-            assert p.returncode == 0 and "DONE" in out, f"worker {p.args[2:]} exited {p.returncode}:\n{err[-3000:]}"
-    finally:
-        for p in procs:  # a failed peer leaves the other blocked at a barrier
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load(path) -> list[dict]:
@@ -97,7 +79,7 @@ def test_two_processes_stop_mid_epoch_and_one_process_resumes_exactly(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
 
-    port = _free_port()
+    port = free_port()
     procs = [_worker("shard", port, i, store.dir, ckpt, out, STOP) for i in range(2)]
     try:
         # The uninterrupted run, while the two processes work.
@@ -108,8 +90,8 @@ def test_two_processes_stop_mid_epoch_and_one_process_resumes_exactly(tmp_path):
             states.append(single.state())
         single.close()
     finally:
-        _finish(procs)
-    _finish([_worker("resume", store.dir, ckpt, out, TOTAL - STOP)])
+        finish(procs, TIMEOUT_S, "DONE")
+    finish([_worker("resume", store.dir, ckpt, out, TOTAL - STOP)], TIMEOUT_S, "DONE")
 
     # The run stops mid-epoch with samples waiting, and the resumed part crosses into the next
     # epoch: the state must carry both the cursor and the waiting line.

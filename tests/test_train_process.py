@@ -4,7 +4,6 @@ checkpoint mid-epoch; one process resumes from that checkpoint on the whole mesh
 the data position must be those of one uninterrupted single-process run."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ import numpy as np
 
 from xlaopt.data.synthetic_store import make_store
 from xlaopt.models.registry import get_config
+
+from conftest import finish, free_port
 
 MODEL = ["--model", "cosmos3-tiny", "--set", "num_layers=2", "--mesh", "data=2,fsdp=2,tensor=2",
          "--dtype", "float32", "--batch-size", "4", "--no-progress"]
@@ -22,12 +23,6 @@ TIMEOUT_S = 300
 LOSS_RTOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(*args):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # each process brings the devices the flags ask for
@@ -35,28 +30,16 @@ def _train(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _finish(procs) -> None:
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=TIMEOUT_S)
-            assert p.returncode == 0, f"{' '.join(p.args[3:])} exited {p.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
-    finally:
-        for p in procs:  # a failed peer leaves the other blocked in a collective
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 def test_two_process_training_resumes_on_one_process_exactly(tmp_path):
     store = tmp_path / "store"
     make_store(store, get_config("cosmos3-tiny"), 300, seed=1, shard_bytes=32 << 10)
-    port = _free_port()
+    port = free_port()
     job = [_train("--data", store, "--steps", STOP, "--ckpt", tmp_path / "ckpt", "--json", tmp_path / "two.json",
                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", 2, "--process-id", i) for i in range(2)]
     single = _train("--data", store, "--steps", TOTAL, "--json", tmp_path / "single.json")
-    _finish(job + [single])
-    _finish([_train("--data", store, "--steps", TOTAL, "--ckpt", tmp_path / "ckpt", "--resume",
-                    "--json", tmp_path / "resumed.json")])
+    finish(job + [single], TIMEOUT_S)
+    finish([_train("--data", store, "--steps", TOTAL, "--ckpt", tmp_path / "ckpt", "--resume",
+                   "--json", tmp_path / "resumed.json")], TIMEOUT_S)
 
     two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "single"))
     resumed = json.loads((tmp_path / "resumed.json").read_text())

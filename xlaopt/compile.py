@@ -24,7 +24,7 @@ class CompiledProgram:
         self.mesh = mesh = mesh or make_mesh(program.mesh)
         named = lambda spec: NamedSharding(mesh, spec)
         abstract = abstract_state(program)
-        spec = batch_spec(program)
+        self._batch_spec = spec = batch_spec(program)
         if program.shardings is None:  # no layout applied: everything replicated
             state_specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
             batch_specs = {k: PartitionSpec() for k in spec}
@@ -49,7 +49,7 @@ class CompiledProgram:
 
     def put_batch(self, batch: dict):
         """Host batch -> global arrays. In a multi-process job `batch` holds this process's
-        `local_rows()` of the global batch (see `local_part`)."""
+        `local_rows` of the global batch (see `local_part`)."""
         if jax.process_count() == 1:
             return jax.device_put(batch, self.batch_shardings)
         return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], v, self._abstract_batch[k].shape)
@@ -59,13 +59,13 @@ class CompiledProgram:
         """This process's rows of a whole host batch."""
         if jax.process_count() == 1:
             return batch
-        rows = self.local_rows()
-        spec = batch_spec(self.program)
-        return {k: np.take(v, rows, axis=spec[k][2].index("batch")) for k, v in batch.items()}
+        rows = self.local_rows
+        return {k: np.take(v, rows, axis=self._batch_spec[k][2].index("batch")) for k, v in batch.items()}
 
+    @functools.cached_property
     def local_rows(self) -> range:
         """The rows of a global batch this process's devices hold: a loader need read only these."""
-        name, (shape, _, axes) = next(iter(batch_spec(self.program).items()))
+        name, (shape, _, axes) = next(iter(self._batch_spec.items()))
         axis, rows = axes.index("batch"), shape[axes.index("batch")]
         held = set()
         for index in self.batch_shardings[name].addressable_devices_indices_map(shape).values():

@@ -84,7 +84,7 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     if data_dir is not None:  # before compiling: a store the batch cannot hold fails fast, and reading starts
         loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
         loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
-                        state=loader_state, rows=compiled.local_rows(), skip_oversize=skip_oversize)
+                        state=loader_state, rows=compiled.local_rows, skip_oversize=skip_oversize)
     t0 = time.perf_counter()
     compiled.train_step  # compile before the clock starts
     compile_s = time.perf_counter() - t0
@@ -131,7 +131,7 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         loader.close()
     if manager is not None:
         manager.close()
-    rows = compiled.local_rows()
+    rows = compiled.local_rows
     tokens, flops = _job_totals(tokens, flops, len(rows) / program.settings.batch.batch_size)
     for record, n in zip(records, tokens):
         record["tokens"] = n

@@ -17,7 +17,7 @@ between rounds:
   ceiling for any read path;
 - `loader_read_cold_MBps` (the headline), `tensorstore_read_cold_MBps`: payload bytes (text
   and latents as stored) per second of `read_many` over the loader's planned order, one call
-  per batch with that batch's sample ids, the call `Loader._read` makes, through
+  per batch with that batch's sample ids, the call the loader makes, through
   `SampleStore` (its default shard-file reader, `xlaopt.data.shard_reader`) and with
   `direct=False` (tensorstore). The pass stops before any sample would be read a second time,
   so every byte comes from the disk. This is the loader's read path alone: packing a batch is

@@ -259,9 +259,6 @@ class Loader:
         # One read for all of this process's rows, so every sample's I/O overlaps.
         return [i for row in self._rows for i in rows[row]]
 
-    def _read(self, rows: list[list[int]], state: LoaderState) -> dict[str, np.ndarray]:
-        return self._pack(rows, state, self.store.read_many(self._local_ids(rows)))
-
     def _pack(self, rows: list[list[int]], state: LoaderState, samples: list) -> dict[str, np.ndarray]:
         out = {k: np.zeros(s, d) for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
         samples = iter(samples)
