@@ -381,7 +381,8 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         for i, p in enumerate(priced):
             refit = fit(priced[:i] + priced[i + 1:])
             step = steps.get(p.run.id)
-            predicted = step.predict(refit) if step is not None and not isinstance(step, str) else predict(p, refit)
+            compiled = step is not None and not isinstance(step, str)
+            predicted = metric_of(p.run, step.price(refit)["step_time_s"]) if compiled else predict(p, refit)
             loo[p.run.id] = predicted / p.run.measured - 1
         for r in rows:
             r["loo_rel_error"] = loo.get(r["id"])

@@ -188,12 +188,6 @@ class CompiledStep:
                     comm_by_axis={axes: m * c["time_s"] for axes, c in mb.comm_by_axis.items()},
                     per_step_s=once.step_time_s)
 
-    def predict(self, eff: cm.Efficiency = cm.FITTED) -> float:
-        """The row's metric."""
-        from xlaopt.calibrate import metric_of
-
-        return metric_of(self.priced.run, self.price(eff)["step_time_s"])
-
 
 def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
     """Compile `priced`'s row (see the module docstring); a string says why it cannot be."""
