@@ -44,7 +44,6 @@ pass is CPU bound (the toy samples are ~1 KB; ~2 MB/s), nowhere near the disk's 
 """
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import statistics
@@ -54,7 +53,7 @@ from typing import Callable
 
 import numpy as np
 
-from xlaopt.benchmarks.disk import drop_page_cache, read_cold_MBps, write_durable_MBps
+from xlaopt.benchmarks.disk import drop_page_cache, probe_read_cold_MBps
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.loader import RESOLUTION_SHIFT, Loader, split_budget
 from xlaopt.data.packing import logit_normal_sigma, sample_arrays
@@ -241,15 +240,6 @@ def _loader_alone(feed, batches: int, budget: int, widths) -> dict:
             "padding_fraction": 1.0 - real / (batches * budget)}
 
 
-def _disk_read_cold_MBps(where: pathlib.Path, nbytes: int) -> float:
-    probe = where / f".xlaopt-bench-disk-{os.getpid()}.bin"
-    try:
-        write_durable_MBps(probe, nbytes)
-        return read_cold_MBps(probe)
-    finally:
-        probe.unlink(missing_ok=True)
-
-
 def _compiled_program(shape: BatchShape, model: str, mesh: str, settings: dict, seed: int):
     from xlaopt.compile import compile_program
     from xlaopt.mesh import MeshSpec, make_mesh, request_cpu_devices
@@ -328,7 +318,7 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
                     rounds[name].append(_train_round(compiled, key, feed, steps, latency, budget))
                 finally:
                     feed.close()
-            rounds["disk_read_cold_MBps"].append(_disk_read_cold_MBps(store_dir, disk_probe_mb << 20))
+            rounds["disk_read_cold_MBps"].append(probe_read_cold_MBps(store_dir, disk_probe_mb << 20))
             for name in order:  # each loader alone, from a cold page cache
                 drop_page_cache([store_dir])
                 feed = (_XlaoptFeed(store_dir, config, shape, seed, read_ahead=True) if name == "xlaopt"

@@ -57,8 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-from xlaopt.benchmarks.data import _disk_read_cold_MBps
-from xlaopt.benchmarks.disk import drop_page_cache
+from xlaopt.benchmarks.disk import drop_page_cache, probe_read_cold_MBps, read_files_cold_MBps
 from xlaopt.checkpoint.hostmem import aligned_empty
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.loader import Loader, LoaderState, Planner
@@ -67,24 +66,12 @@ from xlaopt.data.store import SampleStore
 from xlaopt.data.synthetic_video import DEFAULT_CONFIG, DEFAULT_SAMPLES, TOKENS_720P, make_video_store
 from xlaopt.errors import UserError
 
-_BLOCK = 16 << 20  # as `xlaopt.benchmarks.disk`: dd bs=16M
 PASSES = ("disk_probe", "disk_files", "disk_parallel", "direct", "tensorstore")
 
 
 def store_files(store_dir: pathlib.Path) -> list[pathlib.Path]:
     """The store's data files (zarr.json and the manifest aside), in name order."""
     return sorted(p for p in store_dir.rglob("*") if p.is_file() and p.name not in ("zarr.json", "manifest.json"))
-
-
-def files_read_cold_MBps(files: list[pathlib.Path]) -> float:
-    """`read_cold_MBps` over several files: cold, sequential, 16 MiB unbuffered reads."""
-    drop_page_cache(files)
-    t0, n = time.perf_counter(), 0
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(_BLOCK):
-                n += len(chunk)
-    return n / (time.perf_counter() - t0) / 1e6
 
 
 def files_read_cold_parallel_MBps(files: list[pathlib.Path], threads: int = THREADS,
@@ -230,9 +217,9 @@ def run_io(store_dir: str | os.PathLike | None = None, repeats: int = 3, progres
             order = PASSES if r % 2 == 0 else PASSES[::-1]
             for name in order:
                 if name == "disk_probe":
-                    rounds["disk_read_cold_MBps"].append(_disk_read_cold_MBps(store_dir, disk_probe_mb << 20))
+                    rounds["disk_read_cold_MBps"].append(probe_read_cold_MBps(store_dir, disk_probe_mb << 20))
                 elif name == "disk_files":
-                    rounds["disk_read_cold_store_files_MBps"].append(files_read_cold_MBps(files))
+                    rounds["disk_read_cold_store_files_MBps"].append(read_files_cold_MBps(files))
                 elif name == "disk_parallel":
                     rounds["disk_read_cold_parallel_MBps"].append(
                         files_read_cold_parallel_MBps(files, threads, piece_bytes))

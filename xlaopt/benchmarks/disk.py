@@ -46,10 +46,26 @@ def write_durable_MBps(path: pathlib.Path, nbytes: int) -> float:
 
 
 def read_cold_MBps(path: pathlib.Path) -> float:
-    drop_page_cache([path])
+    return read_files_cold_MBps([path])
+
+
+def read_files_cold_MBps(files: list[pathlib.Path]) -> float:
+    """Cold (page cache dropped), sequential, 16 MiB unbuffered reads of `files` in turn."""
+    drop_page_cache(files)
     t0 = time.perf_counter()
     n = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_BLOCK):
-            n += len(chunk)
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_BLOCK):
+                n += len(chunk)
     return n / (time.perf_counter() - t0) / 1e6
+
+
+def probe_read_cold_MBps(where: pathlib.Path, nbytes: int) -> float:
+    """The cold read rate of a fresh `nbytes` file written durably in `where` (then removed)."""
+    probe = where / f".xlaopt-bench-disk-{os.getpid()}.bin"
+    try:
+        write_durable_MBps(probe, nbytes)
+        return read_cold_MBps(probe)
+    finally:
+        probe.unlink(missing_ok=True)

@@ -17,31 +17,17 @@ import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import PAGE, aligned_empty
+from xlaopt.checkpoint.hostmem import PAGE, aligned_empty, open_for_reading
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
 from xlaopt.checkpoint.writer import chunk_coords, chunk_path
 
 _THREADS = 8
-def _open_direct(path: pathlib.Path) -> tuple[int, bool]:
-    """Open for direct I/O where the filesystem allows it: the disk writes into our buffer
-    without a page-cache copy (less CPU on a small host); plain reads otherwise."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags), False
-
-
 def _read_chunk(path: pathlib.Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     want = nbytes + 4
     buf = aligned_empty((-(-want // PAGE) * PAGE,), np.uint8)  # direct I/O reads whole blocks
     try:
-        fd, direct = _open_direct(path)
+        fd, direct = open_for_reading(path)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: chunk file {path} is missing") from None
     try:

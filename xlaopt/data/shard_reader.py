@@ -35,7 +35,7 @@ import weakref
 import google_crc32c
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import HUGE_PAGE, PAGE, aligned_empty
+from xlaopt.checkpoint.hostmem import HUGE_PAGE, PAGE, aligned_empty, open_for_reading
 from xlaopt.errors import UserError
 
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
@@ -115,7 +115,7 @@ class _Shard:
         self._lock = threading.Lock()
         self._retired: list[int] = []
         try:
-            self.fd, self.direct = _open(path, direct)
+            self.fd, self.direct = open_for_reading(path, direct)
         except FileNotFoundError:
             raise ShardError(f"shard file {path} is missing") from None
         try:
@@ -184,17 +184,6 @@ class _Shard:
             if self.fd == fd and self.direct:
                 self._retired.append(fd)
                 self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), False
-
-
-def _open(path: pathlib.Path, direct: bool) -> tuple[int, bool]:
-    flags = os.O_RDONLY | os.O_NOFOLLOW
-    if direct and getattr(os, "O_DIRECT", 0):
-        try:
-            return os.open(path, flags | os.O_DIRECT), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # a filesystem without direct I/O (tmpfs): plain reads
-                raise
-    return os.open(path, flags), False
 
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray, at: int, lo: int, hi: int) -> None:
