@@ -9,8 +9,10 @@ each process reads only the samples of its own rows. The state after a batch is
 (epoch, cursor, waiting samples, batches), the same on every process, so a run resumes on
 the exact next sample, also on a different process count.
 
-A background thread reads and packs ahead. Its window (batches in flight) starts at two
-and grows while the consumer measurably waits, up to `max_prefetch`, sized by how long the
+A background thread reads and packs ahead. The reads of the next `read_ahead` batches are
+queued while one is packed, so the disk does not idle at batch boundaries, and each clip is
+read straight into its place in its batch. The window of packed batches starts at two and
+grows while the consumer measurably waits, up to `max_prefetch`, sized by how long the
 slowest (p95) batch takes to read against the step time.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 
 import numpy as np
 
+from xlaopt.checkpoint.hostmem import BufferPool
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.packing import fill_row, logit_normal_sigma
 from xlaopt.data.store import SampleStore
@@ -194,9 +197,11 @@ class Loader:
 
     def __init__(self, store: SampleStore, config: Cosmos3Config, shape: BatchShape, seed: int = 0,
                  state: LoaderState | None = None, process_index: int = 0, process_count: int = 1,
-                 skip_oversize: bool = False, max_prefetch: int = 16, rows: range | None = None):
+                 skip_oversize: bool = False, max_prefetch: int = 16, rows: range | None = None,
+                 read_ahead: int = 2):
         """This process reads the rows `rows` of every global batch (what its devices hold; see
-        `CompiledProgram.local_rows`), by default its 1/process_count share in process order."""
+        `CompiledProgram.local_rows`), by default its 1/process_count share in process order.
+        `read_ahead`: batches whose reads are queued behind the one being packed."""
         if rows is None and shape.batch_size % process_count:
             raise LoaderError(f"batch size {shape.batch_size} does not split over {process_count} processes")
         if rows is not None and not (rows.step == 1 and 0 <= rows.start < rows.stop <= shape.batch_size):
@@ -214,6 +219,9 @@ class Loader:
         self._local_shape = dataclasses.replace(shape, batch_size=len(rows))
         self._consumed = state or LoaderState()
         self.prefetch, self.max_prefetch = 2, max_prefetch
+        self.read_ahead = read_ahead
+        # Batches of clips are ~100 MB of latents, rewritten whole each step: reuse their memory.
+        self._x0_pool = BufferPool((max_prefetch + read_ahead + 2) * self._x0_bytes())
         self._fill_times: collections.deque = collections.deque(maxlen=64)
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -227,47 +235,62 @@ class Loader:
         return self._consumed
 
     def _produce(self) -> None:
-        # The next batch's samples are read while this one is packed: packing is CPU work, and
-        # without the overlap the disk idles through it (25 MB clips on 2 cores: 315 -> 440 MB/s).
-        reads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xlaopt-loader-read")
+        # Reads run ahead of packing: while batch N is packed, the reads of the next `read_ahead`
+        # batches are queued on the store's reader, so the disk does not idle at a batch
+        # boundary, and every clip is read straight into its place in its batch (one copy).
+        inflight: collections.deque = collections.deque()
+        state = self._consumed
         try:
-            rows, state = self.planner.plan(self._consumed)
-            pending = reads.submit(self.store.read_many, self._local_ids(rows))
             while True:
                 with self._cv:
                     self._cv.wait_for(lambda: self._stop or len(self._queue) < self.prefetch)
                     if self._stop:
                         return
                 t0 = time.perf_counter()
-                samples, batch_rows, batch_state = pending.result(), rows, state
-                rows, state = self.planner.plan(state)
-                pending = reads.submit(self.store.read_many, self._local_ids(rows))
-                batch = self._pack(batch_rows, batch_state, samples)
-                del samples  # their buffers go back to the store's reader before the next batch
+                while len(inflight) <= self.read_ahead:
+                    rows, state = self.planner.plan(state)
+                    inflight.append(self._start(rows, state))
+                rows, batch_state, out, pending = inflight.popleft()
+                self._pack(out, rows, batch_state, pending.result())
                 self._fill_times.append(time.perf_counter() - t0)
                 with self._cv:
-                    self._queue.append((batch, batch_state))
+                    self._queue.append((out, batch_state))
                     self._cv.notify_all()
         except BaseException as e:  # surfaced by __next__
             with self._cv:
                 self._error = e
                 self._cv.notify_all()
-        finally:
-            reads.shutdown(wait=False, cancel_futures=True)
 
-    def _local_ids(self, rows: list[list[int]]) -> list[int]:
-        # One read for all of this process's rows, so every sample's I/O overlaps.
-        return [i for row in self._rows for i in rows[row]]
+    def _start(self, rows: list[list[int]], state: LoaderState) -> tuple:
+        """A batch's buffers, and its samples' reads started into them."""
+        out = {k: (self._x0_pool.empty(s, d) if k == "gen_x0_BVC" else np.zeros(s, d))
+               for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
+        ids, into = [], []
+        for local, row in enumerate(self._rows):
+            g = 0
+            for i in rows[row]:  # in the order `fill_row` packs them
+                n = int(self.planner.lengths[i, 1])
+                ids.append(i)
+                into.append(out["gen_x0_BVC"][local, g:g + n] if n else None)
+                g += n
+        try:
+            pending = self.store.start_many(ids, into)
+        except Exception as e:  # this batch's error, raised when it is its turn: the ones before it are good
+            pending = concurrent.futures.Future()
+            pending.set_exception(e)
+        return rows, state, out, pending
 
-    def _pack(self, rows: list[list[int]], state: LoaderState, samples: list) -> dict[str, np.ndarray]:
-        out = {k: np.zeros(s, d) for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
+    def _pack(self, out: dict[str, np.ndarray], rows: list[list[int]], state: LoaderState, samples: list) -> None:
         samples = iter(samples)
         for local, row in enumerate(self._rows):
             ids = rows[row]
             sigmas = [logit_normal_sigma(np.random.default_rng([self.seed, state.epoch, 1, i]), RESOLUTION_SHIFT)
                       for i in ids]
-            fill_row(out, local, [next(samples) for _ in ids], sigmas, self.config)
-        return out
+            fill_row(out, local, [next(samples) for _ in ids], sigmas, self.config, latents_placed=True)
+
+    def _x0_bytes(self) -> int:
+        shape, dtype, _ = cosmos3_batch_spec(self.config, self._local_shape)["gen_x0_BVC"]
+        return math.prod(shape) * dtype.itemsize
 
     def __iter__(self):
         return self
@@ -277,7 +300,7 @@ class Loader:
             t0 = time.perf_counter()
             self._cv.wait_for(lambda: self._queue or self._error is not None)
             waited = time.perf_counter() - t0
-            if self._error is not None:
+            if not self._queue:  # the good batches made before an error are delivered first
                 raise self._error
             batch, self._consumed = self._queue.popleft()
             if waited > 1e-3 and self.prefetch < self.max_prefetch:

@@ -65,9 +65,14 @@ def sample_arrays(sample: Sample, sigma: float, config: Cosmos3Config) -> dict[s
 
 
 def fill_row(out: dict[str, np.ndarray], row: int, samples: Sequence[Sample], sigmas: Sequence[float],
-             config: Cosmos3Config) -> None:
-    """Pack `samples` (with their flow sigmas) into row `row` of a zeroed batch `out`."""
+             config: Cosmos3Config, latents_placed: bool = False) -> None:
+    """Pack `samples` (with their flow sigmas) into row `row` of a batch `out`, whose arrays are
+    zeroed except `gen_x0_BVC`: that one this row writes whole (latents, zeros beyond a sample's
+    width and in the padding), so it may come uninitialised, e.g. from a buffer pool.
+    `latents_placed`: each sample's latents already are its slice of `gen_x0_BVC` (read there
+    by `SampleStore.start_many`), so multi-MB clips are not copied again."""
     t_used = g_used = 0
+    x0 = out["gen_x0_BVC"]
     for segment, (sample, sigma) in enumerate(zip(samples, sigmas), start=1):
         a = sample_fields(sample, sigma, config)
         ts, gs = slice(t_used, t_used + sample.n_text), slice(g_used, g_used + sample.n_gen)
@@ -76,11 +81,18 @@ def fill_row(out: dict[str, np.ndarray], row: int, samples: Sequence[Sample], si
         out["text_positions_3BT"][:, row, ts] = a["text_positions"]
         out["gen_segment_ids_BV"][row, gs] = segment
         out["gen_positions_3BV"][:, row, gs] = a["gen_positions"]
-        if sample.n_gen:  # straight into the zeroed batch: multi-MB clips are copied once
-            out["gen_x0_BVC"][row, gs, : sample.latents.shape[1]] = sample.latents
+        if sample.n_gen:
+            width = sample.latents.shape[1]
+            if not latents_placed:
+                x0[row, gs, :width] = sample.latents
+            elif sample.latents.ctypes.data != x0[row, gs].ctypes.data:
+                raise ValueError(f"row {row}: a sample's latents are not at generator tokens {gs.start}.. of "
+                                 f"the batch, where they were to be read")
+            x0[row, gs, width:] = 0
         for name in ("gen_modality", "gen_action_domain", "gen_noisy", "gen_sigma"):
             out[f"{name}_BV"][row, gs] = a[name]
         t_used, g_used = ts.stop, gs.stop
+    x0[row, g_used:] = 0
     # Padding (segment 0) gets positions counting on, as a trailing causal split would.
     T, V = out["text_tokens_BT"].shape[1], out["gen_segment_ids_BV"].shape[1]
     out["text_positions_3BT"][:, row, t_used:] = np.arange(T - t_used)

@@ -23,19 +23,17 @@ file. Files are assumed immutable while a reader has them open (a store is write
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import errno
 import json
 import os
 import pathlib
 import threading
 import time
-import weakref
 
 import google_crc32c
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import HUGE_PAGE, PAGE, aligned_empty, open_for_reading
+from xlaopt.checkpoint.hostmem import PAGE, BufferPool, aligned_empty, open_for_reading
 from xlaopt.errors import UserError
 
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
@@ -202,46 +200,6 @@ def _copy_rows(dst: np.ndarray, src: np.ndarray, at: int, lo: int, hi: int) -> N
         dst[at:at + hi - lo] = src[lo // n, :hi - lo]
 
 
-class _BufferPool:
-    """Result buffers that come back when the caller drops every view of them, for the next
-    reads: fresh memory costs a page fault and the kernel zeroing each page, 20-30% of the CPU
-    a read spends here (0.83 against 0.64 and 0.74 against 0.53 CPU-s per GB without and with
-    the pool, measured on this 2-core host), which a host whose cores other work takes feels.
-    Each result is a view of a ctypes array over a pooled buffer; a finalizer on that array
-    returns the buffer once the last view is gone. Only buffers of a huge page or more are
-    pooled (smaller reads cost little either way), at most `limit` bytes of them kept free."""
-
-    def __init__(self, limit: int):
-        self.limit, self._free, self._free_bytes = limit, [], 0
-        self._lock = threading.Lock()
-
-    def empty(self, shape, dtype: np.dtype) -> np.ndarray:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if self.limit <= 0 or nbytes < HUGE_PAGE:  # small: the allocator is cheaper than the pool
-            return np.empty(shape, dtype)
-        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-        with self._lock:  # the smallest free buffer that fits, if not over twice the size
-            fits = [k for k, b in enumerate(self._free) if size <= len(b) <= 2 * size]
-            raw = self._free.pop(min(fits, key=lambda k: len(self._free[k]))) if fits else None
-            if raw is not None:
-                self._free_bytes -= len(raw)
-        if raw is None:
-            raw = aligned_empty((size,), np.uint8)
-        holder = (ctypes.c_char * len(raw)).from_buffer(raw)
-        weakref.finalize(holder, self._put, raw).atexit = False
-        return np.frombuffer(holder, dtype, int(np.prod(shape, dtype=np.int64))).reshape(shape)
-
-    def _put(self, raw: np.ndarray) -> None:
-        with self._lock:
-            if self._free_bytes + len(raw) <= self.limit:
-                self._free.append(raw)
-                self._free_bytes += len(raw)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free, self._free_bytes = [], 0
-
-
 class RowsRead:
     """A read in flight; `result()` waits for it: the rows, or the first piece's error."""
 
@@ -273,7 +231,7 @@ class ShardReader:
         self._shards: dict[tuple[str, int], _Shard] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._buffers = _BufferPool(pool_bytes)
+        self._buffers = BufferPool(pool_bytes)
         self.stats = {"bytes": 0, "pieces": 0, "read_s": 0.0, "crc_s": 0.0, "copy_s": 0.0}
 
     def close(self) -> None:
@@ -360,6 +318,7 @@ class ShardReader:
             data, self._local.buf = shard.pread(int(shard.offsets[local]), count * stride,
                                                 getattr(self._local, "buf", None))
             t1 = time.perf_counter()
+            read_s += t1 - t0
             chunks = data.reshape(count, stride)
             stored = chunks[:, array.chunk_bytes:].copy().view("<u4")[:, 0]
             computed = np.fromiter((google_crc32c.value(c) for c in chunks[:, :array.chunk_bytes]), np.uint32, count)
@@ -375,7 +334,7 @@ class ShardReader:
             _copy_rows(out, rows, max(row, start) - start, max(start - row, 0),
                        min(stop - row, count * array.inner_rows))
             t3 = time.perf_counter()
-            read_s, crc_s, copy_s = read_s + t1 - t0, crc_s + t2 - t1, copy_s + t3 - t2
+            crc_s, copy_s = crc_s + t2 - t1, copy_s + t3 - t2
         with self._lock:
             s = self.stats
             s["bytes"] += sum(r[2] for r in runs) * stride

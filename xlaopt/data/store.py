@@ -205,9 +205,19 @@ class SampleStore:
         return self.read_many([i])[0]
 
     def read_many(self, ids) -> list[Sample]:
-        """Samples `ids`, their reads issued together so tensorstore overlaps them."""
+        """Samples `ids`, their reads issued together so they overlap."""
+        return self.start_many(ids).result()
+
+    def start_many(self, ids, into=None) -> "PendingSamples":
+        """Start reading samples `ids`; returns at once (`result()` waits). `into`: for each id,
+        None or a float32 array [its generator tokens, >= its modality's width] whose leading
+        columns receive its latents, e.g. its slice of a packed batch: the bytes then go from
+        the read buffer to the batch in one copy, and the sample's `latents` is that view."""
+        into = [None] * len(ids) if into is None else list(into)
+        if len(into) != len(ids):
+            raise StoreError(f"start_many: {len(ids)} ids but {len(into)} destinations")
         pending = []
-        for i in (int(i) for i in ids):
+        for i, dest in zip((int(i) for i in ids), into):
             if not 0 <= i < len(self):
                 raise IndexError(f"sample {i} out of range 0..{len(self) - 1}")
             k = int(np.searchsorted(self._starts, i, side="right") - 1)
@@ -216,18 +226,20 @@ class SampleStore:
                 int(x) for x in self._shard_index(shard)[i - self._starts[k]])
             mask = (1 << _GRID_BITS) - 1
             grid_thw = (grid >> 2 * _GRID_BITS, (grid >> _GRID_BITS) & mask, grid & mask)
+            if dest is not None and modality != TEXT_ONLY:
+                width = self.widths[modality]
+                if dest.dtype != np.float32 or dest.ndim != 2 or dest.shape[0] != l1 - l0 or dest.shape[1] < width:
+                    raise StoreError(f"sample store {self.dir}: sample {i} has {l1 - l0} x {width} float32 latents; "
+                                     f"its destination is {dest.shape} {dest.dtype}")
+                dest = dest[:, :width]
             text = self._start_read(shard, "text", t0, t1)
-            latents = None if modality == TEXT_ONLY else self._start_read(shard, LATENT_ARRAYS[modality], l0, l1)
-            pending.append((i, shard, text, latents, modality, grid_thw, domain, n_clean, fps_mhz / 1000 or None))
-        samples = []
-        for i, shard, text, latents, modality, grid_thw, domain, n_clean, fps in pending:
-            sample = Sample(self._finish_read(text), modality, None if latents is None else self._finish_read(latents),
-                            grid_thw, domain, n_clean, fps)
-            sample.validate(f"sample store {self.dir}: sample {i} ({shard})")
-            samples.append(sample)
-        return samples
+            latents = None if modality == TEXT_ONLY else self._start_read(shard, LATENT_ARRAYS[modality], l0, l1,
+                                                                           dest)
+            pending.append((i, shard, text, latents, dest, modality, grid_thw, domain, n_clean,
+                            fps_mhz / 1000 or None))
+        return PendingSamples(self, pending)
 
-    def _start_read(self, shard: str, name: str, start: int, stop: int):
+    def _start_read(self, shard: str, name: str, start: int, stop: int, out: np.ndarray | None = None):
         array = self._array(shard, name)
         row_bytes = math.prod(array.shape[1:]) * array.dtype.numpy_dtype.itemsize
         # Small reads (text, actions, toy clips) go through tensorstore: its C++ path costs less per
@@ -235,7 +247,7 @@ class SampleStore:
         if self._reader is None or (stop - start) * row_bytes < DIRECT_MIN_BYTES:
             return shard, name, array[start:stop].read()
         try:
-            return shard, name, self._reader.read(os.path.join(self.dir, shard, name), start, stop)
+            return shard, name, self._reader.read(os.path.join(self.dir, shard, name), start, stop, out)
         except ShardError as e:
             raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
 
@@ -250,3 +262,24 @@ class SampleStore:
             return future.result()
         except ValueError as e:
             raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+
+
+class PendingSamples:
+    """Samples whose reads are in flight (`SampleStore.start_many`)."""
+
+    def __init__(self, store: SampleStore, parts: list):
+        self._store, self._parts = store, parts
+
+    def result(self) -> list[Sample]:
+        """The samples, in the order asked, each checked (its grid against its latents)."""
+        samples = []
+        for i, shard, text, latents, dest, modality, grid_thw, domain, n_clean, fps in self._parts:
+            if latents is not None:
+                latents = self._store._finish_read(latents)
+                if dest is not None and latents is not dest:  # read by tensorstore into its own array
+                    dest[...] = latents
+                    latents = dest
+            sample = Sample(self._store._finish_read(text), modality, latents, grid_thw, domain, n_clean, fps)
+            sample.validate(f"sample store {self._store.dir}: sample {i} ({shard})")
+            samples.append(sample)
+        return samples

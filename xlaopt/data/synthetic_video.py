@@ -23,7 +23,7 @@ from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
 
 FRAME_GRID = (45, 80)  # latent tokens per latent frame of a 720p clip (height, width)
 TOKENS_720P = 12 * FRAME_GRID[0] * FRAME_GRID[1]  # 43,200 tokens: ~33 MB at width 192
-DEFAULT_SAMPLES = 64  # ~1.6 GB at the defaults: a cold read of a couple of seconds at ~1 GB/s
+DEFAULT_SAMPLES = 96  # ~2.4 GB at the defaults: a cold read of a couple of seconds at ~1-2 GB/s
 DEFAULT_CONFIG = "cosmos3-nano"
 
 
