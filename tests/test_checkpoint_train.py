@@ -80,6 +80,25 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys):
     assert "holds a checkpoint of cosmos3-tiny" in err and "num_layers: saved 4, now 2" in err
 
 
+def test_a_checkpoint_older_than_a_config_field_resumes_at_its_default():
+    """A config field added after a checkpoint was saved is absent from its metadata: the run
+    that saved it used the field's default, so it matches a run at the default and no other."""
+    import dataclasses
+
+    from xlaopt.checkpoint import CheckpointError
+    from xlaopt.models.registry import get_config
+    from xlaopt.program import TrainProgram
+    from xlaopt.train import _check_same_run, _run_meta
+
+    program = TrainProgram(get_config("llama-tiny"))
+    old = json.loads(json.dumps(_run_meta(program, None)))
+    del old["config"]["attention"]  # saved before the field existed
+    _check_same_run(old, program, "ckpt")
+    io_only = dataclasses.replace(program, model=dataclasses.replace(program.model, attention="io_only"))
+    with pytest.raises(CheckpointError, match="attention: saved 'xla', now 'io_only'"):
+        _check_same_run(old, io_only, "ckpt")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["ckpt", "ls", "/nonexistent/ckpt"], "no such checkpoint directory"),
     (["train", "--model", "cosmos3-tiny", "--resume"], "--resume and --ckpt-every need --ckpt DIR"),

@@ -8,7 +8,7 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.data.synthetic_text import SyntheticText
 from xlaopt.mesh import MeshSpec
 from xlaopt.models.decoder import Decoder, forward_flops
-from xlaopt.models.registry import get_config
+from xlaopt.models.registry import ConfigError, get_config, parse_overrides
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.step import param_count
@@ -61,6 +61,23 @@ def test_decoder_flops_by_hand():
     weights = 2 * 4096 * 32 * 128 + 2 * 4096 * 8 * 128 + 3 * 4096 * 14336
     expected = 2 * 32 * weights * n + 32 * 2 * 32 * 128 * n**2 + 2 * 4096 * 128256 * n
     assert forward_flops(c, n) == pytest.approx(expected)
+
+
+def test_unknown_attention_is_refused_naming_the_choices():
+    with pytest.raises(ConfigError, match=r"attention='flash'; use one of xla, io_only"):
+        get_config("llama-tiny", {"attention": "flash"})
+
+
+def test_io_only_attention_keeps_the_parameters_and_changes_the_output():
+    batch = jax.tree.map(jnp.asarray, SyntheticText(get_config("llama-tiny"), BatchShape(2, 16, 0), seed=0).batch(0))
+    models = {a: Decoder(get_config("llama-tiny", parse_overrides("llama-tiny", ["num_layers=1", f"attention={a}"])))
+              for a in ("xla", "io_only")}
+    shapes = {a: jax.eval_shape(m.init, jax.random.key(0), batch)["params"] for a, m in models.items()}
+    assert shapes["io_only"] == shapes["xla"]
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.05, s.shape), s.dtype), shapes["xla"])
+    logits = {a: jax.jit(m.apply)({"params": params}, batch) for a, m in models.items()}
+    assert logits["io_only"].shape == logits["xla"].shape and not np.allclose(logits["io_only"], logits["xla"])
 
 
 @needs_devices(8)

@@ -15,9 +15,10 @@ compiled on CPU would not:
   XLA ops that write the seq x seq logits to memory several times per layer (and, without
   recomputation, keep them for the backward), which priced by the roofline is several times the
   kernel's time. With `attention="kernel"` (the default) the decoder is compiled with an
-  attention of the same inputs and output and elementwise cost (`_attention_io_only`), and the
-  kernel is priced by `costmodel.attention_time_s` on the causal FLOPs, exactly as the analytic
-  model prices it (forward, 2.5x backward, again when the layer is recomputed).
+  attention of the same inputs and output and elementwise cost (`DecoderConfig.attention` =
+  "io_only", see `xlaopt.models.decoder.attention_io_only`), and the kernel is priced by
+  `costmodel.attention_time_s` on the causal FLOPs, exactly as the analytic model prices it
+  (forward, 2.5x backward, again when the layer is recomputed).
   `attention="xla"` compiles and prices the decoder's own attention.
 - XLA's CPU pipeline runs bf16 elementwise work in f32, so the scan that stacks each layer's
   saved activations widens the whole stacked buffer to update one layer's slice (and the
@@ -39,7 +40,6 @@ q, k, v (and gate, up) input gradients one by one where the frameworks sum them 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
@@ -49,7 +49,8 @@ from xlaopt import costmodel as cm
 from xlaopt.errors import UserError
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 
-ATTENTION = ("kernel", "xla")
+# Each `attention` choice of `compile_step` as the `DecoderConfig.attention` it compiles.
+ATTENTION = {"kernel": "io_only", "xla": "xla"}
 # AdamW, the global-norm clip and the step counter run outside value_and_grad: their ops carry
 # neither the forward's `jvp(` nor the backward's `transpose(` in their JAX name stack.
 _GRAD_SCOPES = ("jvp(", "transpose(")
@@ -96,46 +97,20 @@ def approximations(priced) -> list[str]:
     return notes
 
 
-def decoder_config(run, recompute: str):
-    """xlaopt's generic decoder with the row's shape; raises ConfigError when it cannot be."""
+def decoder_config(run, recompute: str, attention: str = "xla"):
+    """xlaopt's generic decoder with the row's shape and `attention` (a `DecoderConfig.attention`);
+    raises ConfigError when it cannot be."""
     from xlaopt.models.decoder import DecoderConfig
 
     s = run.shape
     return DecoderConfig(name=f"{run.model or 'decoder'} ({run.id})", vocab_size=s.vocab, d_model=s.d_model,
                          num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.kv_heads, mlp_dim=s.ffn,
-                         mlp_activation=s.mlp, tie_embeddings=s.tied_embeddings, remat=recompute == "full")
+                         mlp_activation=s.mlp, tie_embeddings=s.tied_embeddings, remat=recompute == "full",
+                         attention=attention)
 
 
 def mesh_for(layout) -> MeshSpec:
     return MeshSpec((max(layout.dp, 1), max(layout.fsdp, 1), layout.tp, 1))
-
-
-def _attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block=0):
-    """Stands in for a fused attention kernel: the same inputs and output shape, every input
-    used (so their projections and gradients stay in the step), elementwise work only. Its
-    FLOPs are priced separately; what it leaves in the HLO is the kernel's q, k, v, o traffic."""
-    del q_tokens, k_tokens, block
-    B, L, H, K = q_BLHK.shape
-    N = k_BSNK.shape[2]
-    q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
-    return (q_BLNRK * k_BSNK[:, :, :, None, :] + v_BSNK[:, :, :, None, :]).reshape(B, L, H, K)
-
-
-@contextlib.contextmanager
-def _attention(kind: str):
-    """Trace the decoder with the attention `kind` names. The decoder has no switch for its
-    attention, so the name it calls is swapped while the step is traced and put back after."""
-    if kind == "xla":
-        yield
-        return
-    from xlaopt.models import decoder
-
-    original = decoder.attend
-    decoder.attend = _attention_io_only
-    try:
-        yield
-    finally:
-        decoder.attend = original
 
 
 @dataclasses.dataclass
@@ -198,10 +173,10 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
     from xlaopt.data.batch import BatchShape
     from xlaopt.pipeline import pipeline, run_pipeline
     from xlaopt.program import TrainProgram, TrainSettings
-    from xlaopt.schedule import build_schedule
+    from xlaopt.schedule import HloReader, build_schedule
 
     if attention not in ATTENTION:
-        raise ValueError(f"attention={attention!r}; use one of {ATTENTION}")
+        raise ValueError(f"attention={attention!r}; use one of {', '.join(ATTENTION)}")
     why = compile_blocker(priced)
     if why:
         return why
@@ -212,51 +187,45 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
         return (f"needs {mesh.num_devices} simulated CPU devices, this process has {have} (JAX started before "
                 f"calibrate could ask for more)")
     try:
-        config = decoder_config(run, priced.software.recompute)
+        config = decoder_config(run, priced.software.recompute, ATTENTION[attention])
         batch = BatchShape(layout.micro_batch * layout.data, layout.seq_len, 0)
         program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype="bfloat16"))
         check_fits(program, priced.topology)
         t0 = time.perf_counter()
-        with _attention(attention):
-            program, _ = run_pipeline(program, pipeline())
-            compiled = CompiledProgram(program)
-            compiled.lowered  # noqa: B018 (timed apart from compilation)
-            t1 = time.perf_counter()
-            text = compiled.train_step.as_text()
+        program, _ = run_pipeline(program, pipeline())
+        compiled = CompiledProgram(program)
+        compiled.lowered  # noqa: B018 (timed apart from compilation)
+        t1 = time.perf_counter()
+        text = compiled.train_step.as_text()
     except UserError as e:  # the shape or a sharded dimension does not fit the decoder or the mesh
         return f"cannot build the decoder on mesh {mesh}: {e}"
     t2 = time.perf_counter()
     schedule = build_schedule(text)
-    ops, convert_copy = _inplace_fixups(text, schedule.ops)
-    once = _per_step(text, schedule.entry)
+    reader = HloReader(text)
+    ops, convert_copy = _inplace_fixups(reader, schedule.ops)
+    once = _per_step(reader)
     timings = dict(lower=t1 - t0, compile=t2 - t1, schedule=time.perf_counter() - t2)
     return CompiledStep(priced, mesh, attention, [o for o in ops if (o.computation, o.name) not in once],
                         [o for o in ops if (o.computation, o.name) in once], timings, approximations(priced),
                         frozenset(convert_copy))
 
 
-def _per_step(text: str, entry: str) -> set[tuple[str, str]]:
+def _per_step(reader) -> set[tuple[str, str]]:
     """(computation, name) of the entry computation's instructions outside value_and_grad: the
     optimizer update. Instructions whose metadata is not a JAX name stack (none, an XLA-made name
     such as the zeroing of a scan's buffers, a parameter's path) count as per micro-batch."""
-    from xlaopt import hlo
-
-    comps, _ = hlo._computations(text)
     once = set()
-    for line in comps.get(entry, []):
-        m, name = _OP_NAME.search(line), hlo._INSTRUCTION.match(line)
-        if m and name and m.group(1).startswith("jit(") and not any(s in m.group(1) for s in _GRAD_SCOPES):
-            once.add((entry, name.group(2)))
+    for ins in reader.comps.get(reader.entry, []):
+        m = _OP_NAME.search(ins.attrs)
+        if m and m.group(1).startswith("jit(") and not any(s in m.group(1) for s in _GRAD_SCOPES):
+            once.add((reader.entry, ins.name))
     return once
 
 
-def _inplace_fixups(text: str, ops: list) -> tuple[list, set]:
+def _inplace_fixups(reader, ops: list) -> tuple[list, set]:
     """`ops` with the bytes of fusions that widen a whole buffer to update or read one slice of it
     (XLA CPU's bf16 normalisation) priced as the in-place update / slice read a GPU runs; and the
     (computation, name) of ops that only convert, copy or transpose."""
-    from xlaopt.schedule import _Reader
-
-    reader = _Reader(text)
     fixed: dict[tuple[str, str], int] = {}
     convert_copy = set()
     for comp, instrs in reader.comps.items():
@@ -265,7 +234,7 @@ def _inplace_fixups(text: str, ops: list) -> tuple[list, set]:
                 convert_copy.add((comp, ins.name))
             if ins.opcode != "fusion":
                 continue
-            callee = reader.comps.get(reader._callee(ins, "calls") or "", [])
+            callee = reader.comps.get(reader.callee(ins, "calls") or "", [])
             if callee and all(i.opcode in _MOVES for i in callee):
                 convert_copy.add((comp, ins.name))
             nbytes = _inplace_bytes(reader, comp, ins)
@@ -280,9 +249,8 @@ def _inplace_bytes(reader, comp: str, fusion) -> int | None:
     """Operand + result bytes of `fusion` with widened buffers counted in place; None when no
     parameter reaches a dynamic-(update-)slice through a convert."""
     from xlaopt import hlo
-    from xlaopt.schedule import _dims
 
-    callee = reader._callee(fusion, "calls")
+    callee = reader.callee(fusion, "calls")
     instrs = reader.comps.get(callee or "", [])
     if not instrs:
         return None
@@ -291,8 +259,9 @@ def _inplace_bytes(reader, comp: str, fusion) -> int | None:
     for i in instrs:
         for k, o in enumerate(i.operands):
             users.setdefault(o, []).append((i, k))
-    elements = lambda shape_text: math.prod(_dims(shape_text)[0][1]) if _dims(shape_text) else 0
-    width = lambda shape_text: hlo._DTYPE_BYTES[_dims(shape_text)[0][0]] if _dims(shape_text) else 0
+    first = lambda shape_text: next(iter(hlo.shape_dims(shape_text)), None)
+    elements = lambda shape_text: math.prod(first(shape_text)[1]) if first(shape_text) else 0
+    width = lambda shape_text: hlo.DTYPE_BYTES[first(shape_text)[0]] if first(shape_text) else 0
 
     def ends(value: str, hops: int = 0):
         """The uses `value` reaches through unary ops: [(user, operand index, converts passed)]."""
@@ -305,7 +274,7 @@ def _inplace_bytes(reader, comp: str, fusion) -> int | None:
         return out
 
     widened = False
-    operand_bytes = reader._operand_bytes(comp, fusion)
+    operand_bytes = reader.operand_bytes(comp, fusion)
     params = {}
     for i in instrs:
         m = re.match(r"\s*(\d+)", i.args) if i.opcode == "parameter" else None

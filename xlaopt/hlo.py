@@ -17,11 +17,12 @@ from typing import Sequence
 import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+# An instruction line's groups: "ROOT " or None, name, result type, opcode, everything after `opcode(`.
+INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLS = re.compile(r"\b(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
 
@@ -47,16 +48,21 @@ class Collective:
     @property
     def scalar_bytes(self) -> int:
         """Bytes of rank-0 results (loss terms, token counts) within `bytes`, per execution."""
-        return sum(_DTYPE_BYTES[d] for d, dims in self.shapes if not dims)
+        return sum(DTYPE_BYTES[d] for d, dims in self.shapes if not dims)
 
 
 def shape_bytes(text: str) -> int:
     """Bytes of every array shape in `text` (a result type or tuple of them)."""
     total = 0
     for dtype, dims in _SHAPE.findall(text):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        if dtype in DTYPE_BYTES:
+            total += DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     return total
+
+
+def shape_dims(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array shape in `text` (a result type or tuple of them)."""
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(text) if d in DTYPE_BYTES]
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -98,7 +104,7 @@ def parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
     return ()
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     """Instruction lines per computation, and the entry computation's name."""
     comps: dict[str, list[str]] = {}
     entry = current = None
@@ -146,12 +152,12 @@ def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
 
 def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topology=None) -> list[Collective]:
     """Every collective in a compiled module, in schedule order within each computation."""
-    comps, _ = _computations(hlo_text)
+    comps, _ = computations(hlo_text)
     runs = _executions(comps)
     out = []
     for comp, lines in comps.items():
         for position, line in enumerate(lines):
-            m = _INSTRUCTION.match(line)
+            m = INSTRUCTION.match(line)
             if not m:
                 continue
             result_type, op, rest = m.group(3), m.group(4), m.group(5)
@@ -162,8 +168,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topolog
             nbytes = _collective_bytes(kind, op, result_type, len(groups[0]) if groups else 1)
             out.append(Collective(
                 name=m.group(2), kind=kind, computation=comp, position=position, is_async=op.endswith("-start"),
-                bytes=nbytes, shapes=tuple((d, tuple(int(x) for x in dims.split(",") if x))
-                                       for d, dims in _SHAPE.findall(result_type) if d in _DTYPE_BYTES),
+                bytes=nbytes, shapes=tuple(shape_dims(result_type)),
                 replica_groups=groups, executions=runs.get(comp, 1),
                 mesh_axes=group_axes(groups, mesh_shape) if mesh_shape else (),
                 link_level=topology.level_of(groups[0]).name if topology is not None and groups else None))

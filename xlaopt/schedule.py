@@ -123,7 +123,8 @@ class Schedule:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Instr:
+class Instruction:
+    """One instruction line of a compiled computation, split into its parts."""
     name: str
     result: str  # result type text
     opcode: str
@@ -146,25 +147,20 @@ def _split_operands(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
-def _parse(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
-    comps, entry = hlo._computations(hlo_text)
-    parsed: dict[str, list[_Instr]] = {}
+def _parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
+    comps, entry = hlo.computations(hlo_text)
+    parsed: dict[str, list[Instruction]] = {}
     for comp, lines in comps.items():
         instrs = []
         for line in lines:
-            m = hlo._INSTRUCTION.match(line)
+            m = hlo.INSTRUCTION.match(line)
             if not m:
                 continue
             operand_text, attrs = _split_operands(m.group(5))
-            instrs.append(_Instr(m.group(2), m.group(3), m.group(4), tuple(_OPERAND.findall(operand_text)),
-                                 operand_text, attrs, bool(m.group(1))))
+            instrs.append(Instruction(m.group(2), m.group(3), m.group(4), tuple(_OPERAND.findall(operand_text)),
+                                      operand_text, attrs, bool(m.group(1))))
         parsed[comp] = instrs
     return parsed, entry
-
-
-def _dims(text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in hlo._SHAPE.findall(text)
-            if d in hlo._DTYPE_BYTES]
 
 
 def _int_list(attrs: str, key: str) -> list[int]:
@@ -172,26 +168,29 @@ def _int_list(attrs: str, key: str) -> list[int]:
     return [int(x) for x in m.group(1).split(",") if x] if m else []
 
 
-class _Reader:
+class HloReader:
+    """A compiled module's instructions per computation (`comps`, in schedule order), each
+    computation's result types by instruction name (`types`), and the entry's name (`entry`)."""
+
     def __init__(self, hlo_text: str):
         self.comps, self.entry = _parse(hlo_text)
         self.types = {c: {i.name: i.result for i in instrs} for c, instrs in self.comps.items()}
 
     # --- FLOPs -------------------------------------------------------------------------
-    def _dot(self, comp: str, ins: _Instr) -> tuple[float, str | None]:
-        lhs = _dims(self.types[comp].get(ins.operands[0], "")) if ins.operands else []
-        out = _dims(ins.result)
+    def _dot(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
+        lhs = hlo.shape_dims(self.types[comp].get(ins.operands[0], "")) if ins.operands else []
+        out = hlo.shape_dims(ins.result)
         if not lhs or not out:
             return 0.0, None
         contracting = math.prod(lhs[0][1][d] for d in _int_list(ins.attrs, "lhs_contracting_dims"))
         return 2.0 * math.prod(out[0][1]) * contracting, lhs[0][0]
 
-    def _convolution(self, comp: str, ins: _Instr) -> tuple[float, str | None]:
+    def _convolution(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
         if len(ins.operands) < 2:
             return 0.0, None
-        lhs = _dims(self.types[comp].get(ins.operands[0], ""))
-        rhs = _dims(self.types[comp].get(ins.operands[1], ""))
-        out = _dims(ins.result)
+        lhs = hlo.shape_dims(self.types[comp].get(ins.operands[0], ""))
+        rhs = hlo.shape_dims(self.types[comp].get(ins.operands[1], ""))
+        out = hlo.shape_dims(ins.result)
         m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
         if not rhs or not out or not m or "o" not in m.group(1):
             return 0.0, None
@@ -199,16 +198,16 @@ class _Reader:
         per_output = math.prod(kernel) / kernel[m.group(1).index("o")]
         return 2.0 * math.prod(out[0][1]) * per_output, lhs[0][0] if lhs else None
 
-    def _gemm_custom_call(self, comp: str, ins: _Instr) -> tuple[float, str | None]:
+    def _gemm_custom_call(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
         m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
-        lhs = _dims(self.types[comp].get(ins.operands[0], "")) if ins.operands else []
-        out = _dims(ins.result)
+        lhs = hlo.shape_dims(self.types[comp].get(ins.operands[0], "")) if ins.operands else []
+        out = hlo.shape_dims(ins.result)
         if not m or not lhs or not out:
             return 0.0, None
         dims = [int(x.strip().strip('"')) for x in m.group(1).split(",") if x.strip()]
         return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
 
-    def matmuls(self, comp: str, ins: _Instr) -> tuple[tuple[float, ...], str | None]:
+    def matmuls(self, comp: str, ins: Instruction) -> tuple[tuple[float, ...], str | None]:
         if ins.opcode == "dot":
             f, dtype = self._dot(comp, ins)
             return ((f,) if f else ()), dtype
@@ -219,7 +218,7 @@ class _Reader:
             f, dtype = self._gemm_custom_call(comp, ins)
             return ((f,) if f else ()), dtype
         if ins.opcode == "fusion":
-            callee = self._callee(ins, "calls")
+            callee = self.callee(ins, "calls")
             if callee:
                 return self._fused_matmuls(callee)
         return (), None
@@ -235,12 +234,14 @@ class _Reader:
         return tuple(found), dtype
 
     @staticmethod
-    def _callee(ins: _Instr, key: str) -> str | None:
+    def callee(ins: Instruction, key: str) -> str | None:
+        """The computation `ins` names in its `key` attribute (calls, body, to_apply, ...)."""
         m = re.search(key + r"=%?([\w.\-]+)", ins.attrs)
         return m.group(1) if m else None
 
     # --- bytes -------------------------------------------------------------------------
-    def _operand_bytes(self, comp: str, ins: _Instr) -> list[int]:
+    def operand_bytes(self, comp: str, ins: Instruction) -> list[int]:
+        """Bytes of each operand of `ins`, an instruction of computation `comp`."""
         return [hlo.shape_bytes(self.types[comp].get(o, "")) for o in ins.operands]
 
     @functools.lru_cache(maxsize=None)
@@ -255,7 +256,7 @@ class _Reader:
                 m = re.match(r"\s*(\d+)", ins.args)
                 idx = int(m.group(1)) if m else len(params)
                 params[ins.name] = idx
-        users: dict[str, list[tuple[_Instr, int]]] = {}
+        users: dict[str, list[tuple[Instruction, int]]] = {}
         for ins in instrs:
             for k, o in enumerate(ins.operands):
                 users.setdefault(o, []).append((ins, k))
@@ -276,10 +277,10 @@ class _Reader:
                 written = sum(hlo.shape_bytes(types.get(p.operands[1], "")) for p in parts if len(p.operands) > 1)
         return access, written
 
-    def op_bytes(self, comp: str, ins: _Instr) -> int:
+    def op_bytes(self, comp: str, ins: Instruction) -> int:
         if ins.opcode in FREE_OPCODES:
             return 0
-        operands = self._operand_bytes(comp, ins)
+        operands = self.operand_bytes(comp, ins)
         result = hlo.shape_bytes(ins.result)
         if ins.opcode == "dynamic-slice":
             return 2 * result
@@ -287,7 +288,7 @@ class _Reader:
             update = operands[1] if len(operands) > 1 else 0
             return 2 * update
         if ins.opcode == "fusion":
-            callee = self._callee(ins, "calls")
+            callee = self.callee(ins, "calls")
             if callee:
                 access, written = self._fusion_access(callee)
                 operands = [access.get(i, b) for i, b in enumerate(operands)]
@@ -297,8 +298,8 @@ class _Reader:
 
     # --- collectives -------------------------------------------------------------------
     @functools.lru_cache(maxsize=None)
-    def _users(self, comp: str) -> dict[str, list[tuple[_Instr, int]]]:
-        users: dict[str, list[tuple[_Instr, int]]] = {}
+    def _users(self, comp: str) -> dict[str, list[tuple[Instruction, int]]]:
+        users: dict[str, list[tuple[Instruction, int]]] = {}
         for ins in self.comps.get(comp, []):
             for k, o in enumerate(ins.operands):
                 users.setdefault(o, []).append((ins, k))
@@ -326,12 +327,12 @@ class _Reader:
         kept = 0.0
         for user, k in uses:
             if user.opcode == "dynamic-slice" and k == 0:
-                out = _dims(user.result)
+                out = hlo.shape_dims(user.result)
                 f = math.prod(out[0][1]) / elements if out else None
             elif user.opcode in ("convert", "bitcast", "copy", "reshape"):
                 f = self._kept_fraction(comp, user.name, elements, depth + 1, outer)
-            elif user.opcode == "fusion" and self._callee(user, "calls") and outer is None:
-                callee = self._callee(user, "calls")
+            elif user.opcode == "fusion" and self.callee(user, "calls") and outer is None:
+                callee = self.callee(user, "calls")
                 param = self._params(callee).get(k)
                 f = self._kept_fraction(callee, param, elements, depth + 1, (comp, user.name)) if param else None
             else:
@@ -343,14 +344,14 @@ class _Reader:
 
     def _only_sliced(self, comp: str, value: str, shape_text: str, group: int) -> bool:
         """Every use of `value` keeps at most 1/group of it through a dynamic-slice."""
-        dims = _dims(shape_text)
+        dims = hlo.shape_dims(shape_text)
         if group <= 1 or not dims:
             return False
         kept = self._kept_fraction(comp, value, math.prod(dims[0][1]))
         return kept is not None and kept * group <= 1.001
 
-    def _scattered_fraction(self, comp: str, ins: _Instr, group: int) -> float:
-        elements = [hlo.shape_bytes(f"{d}[{','.join(map(str, s))}]") for d, s in _dims(ins.result)]
+    def _scattered_fraction(self, comp: str, ins: Instruction, group: int) -> float:
+        elements = [hlo.shape_bytes(f"{d}[{','.join(map(str, s))}]") for d, s in hlo.shape_dims(ins.result)]
         total = sum(elements)
         if not total:
             return 0.0
@@ -364,7 +365,7 @@ class _Reader:
                     scattered += elements[int(m.group(1))]
         return scattered / total
 
-    def _producer(self, comp: str, name: str) -> _Instr | None:
+    def _producer(self, comp: str, name: str) -> Instruction | None:
         return next((i for i in self.comps.get(comp, []) if i.name == name), None)
 
     def _widening_ratio(self, comp: str, operand: str) -> float:
@@ -375,22 +376,22 @@ class _Reader:
             return 1.0
         where, root = comp, producer
         if producer.opcode == "fusion":
-            callee = self._callee(producer, "calls")
+            callee = self.callee(producer, "calls")
             root = next((i for i in self.comps.get(callee, []) if i.is_root), None) if callee else None
             where = callee
         while root is not None and root.opcode in ("bitcast", "copy", "reshape") and root.operands:
             root = self._producer(where, root.operands[0])
         if root is None or root.opcode != "convert" or not root.operands:
             return 1.0
-        src, dst = _dims(self.types[where].get(root.operands[0], "")), _dims(root.result)
+        src, dst = hlo.shape_dims(self.types[where].get(root.operands[0], "")), hlo.shape_dims(root.result)
         if not src or not dst:
             return 1.0
-        return min(1.0, hlo._DTYPE_BYTES[src[0][0]] / hlo._DTYPE_BYTES[dst[0][0]])
+        return min(1.0, hlo.DTYPE_BYTES[src[0][0]] / hlo.DTYPE_BYTES[dst[0][0]])
 
-    def collective(self, comp: str, ins: _Instr) -> CollectiveInfo | None:
+    def collective(self, comp: str, ins: Instruction) -> CollectiveInfo | None:
         target = ins
         if ins.opcode == "async-start":
-            callee = self._callee(ins, "calls")
+            callee = self.callee(ins, "calls")
             target = next((i for i in self.comps.get(callee, []) if i.opcode in SYNC_KINDS), None)
             if target is None:
                 return None
@@ -407,7 +408,7 @@ class _Reader:
         if len(ratios) == 1:
             narrow = int(nbytes * ratios[0])
         else:  # a combined collective: one result element per operand
-            elements = [hlo.shape_bytes(f"{d}[{','.join(map(str, s))}]") for d, s in _dims(target.result)]
+            elements = [hlo.shape_bytes(f"{d}[{','.join(map(str, s))}]") for d, s in hlo.shape_dims(target.result)]
             if len(elements) == len(ratios) and sum(elements) > 0:
                 narrow = int(nbytes * sum(e * r for e, r in zip(elements, ratios)) / sum(elements))
             else:
@@ -416,7 +417,7 @@ class _Reader:
         return CollectiveInfo(kind, nbytes, narrow, groups, scattered)
 
     # --- ops ---------------------------------------------------------------------------
-    def op(self, comp: str, position: int, ins: _Instr) -> Op:
+    def op(self, comp: str, position: int, ins: Instruction) -> Op:
         base = dict(name=ins.name, opcode=ins.opcode, computation=comp, position=position, operands=ins.operands)
         if ins.opcode in FREE_OPCODES:
             return Op(kind="free", **base)
@@ -429,7 +430,7 @@ class _Reader:
                 kind = "collective" if ins.opcode in SYNC_KINDS else "collective-start"
                 return Op(kind=kind, collective=info, **base)
         matmuls, dtype = self.matmuls(comp, ins)
-        roundtrip = ins.opcode == "fusion" and self._is_roundtrip(self._callee(ins, "calls"))
+        roundtrip = ins.opcode == "fusion" and self._is_roundtrip(self.callee(ins, "calls"))
         return Op(kind="compute", flops=float(sum(matmuls)), bytes=self.op_bytes(comp, ins), matmuls=matmuls,
                   dtype=dtype, widening_roundtrip=roundtrip, **base)
 
@@ -438,16 +439,17 @@ class _Reader:
         instrs = self.comps.get(comp or "", [])
         if not instrs or any(i.opcode not in ("parameter", "convert", "bitcast", "copy") for i in instrs):
             return False
-        params = [_dims(i.result) for i in instrs if i.opcode == "parameter"]
+        params = [hlo.shape_dims(i.result) for i in instrs if i.opcode == "parameter"]
         root = next((i for i in instrs if i.is_root), None)
-        widths = [hlo._DTYPE_BYTES[d[0][0]] for i in instrs if i.opcode == "convert" for d in [_dims(i.result)] if d]
-        if len(params) != 1 or not params[0] or root is None or not _dims(root.result) or not widths:
+        widths = [hlo.DTYPE_BYTES[d[0][0]] for i in instrs if i.opcode == "convert"
+                  for d in [hlo.shape_dims(i.result)] if d]
+        if len(params) != 1 or not params[0] or root is None or not hlo.shape_dims(root.result) or not widths:
             return False
         dtype = params[0][0][0]
-        return _dims(root.result)[0][0] == dtype and min(widths) < hlo._DTYPE_BYTES[dtype]
+        return hlo.shape_dims(root.result)[0][0] == dtype and min(widths) < hlo.DTYPE_BYTES[dtype]
 
 
-def _trip_count(ins: _Instr) -> int | None:
+def _trip_count(ins: Instruction) -> int | None:
     m = hlo._TRIP_COUNT.search(ins.attrs)
     if m:
         return int(m.group(1))
@@ -462,7 +464,7 @@ def _trip_count(ins: _Instr) -> int | None:
 
 def build_schedule(hlo_text: str) -> Schedule:
     """The entry computation's ops in execution order (see the module docstring)."""
-    reader = _Reader(hlo_text)
+    reader = HloReader(hlo_text)
     if reader.entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     templates: dict[str, list[Op]] = {}
@@ -479,7 +481,7 @@ def build_schedule(hlo_text: str) -> Schedule:
             raise ValueError(f"computation nesting deeper than 64 at {comp}")
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
             if ins.opcode == "while":
-                body = reader._callee(ins, "body")
+                body = reader.callee(ins, "body")
                 trips = _trip_count(ins)
                 if ins.name not in seen_loops:
                     seen_loops.add(ins.name)
@@ -488,11 +490,11 @@ def build_schedule(hlo_text: str) -> Schedule:
                 for _ in range(trips or 1):
                     yield from expand(body, depth + 1)
             elif ins.opcode == "call":
-                yield from expand(reader._callee(ins, "to_apply"), depth + 1)
+                yield from expand(reader.callee(ins, "to_apply"), depth + 1)
             elif ins.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
                 branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
-                    [c for c in (reader._callee(ins, "true_computation"), reader._callee(ins, "false_computation")) if c]
+                    [c for c in (reader.callee(ins, "true_computation"), reader.callee(ins, "false_computation")) if c]
                 if branches:
                     heaviest = max(branches, key=lambda b: sum(o.flops for o in template(b)))
                     yield from expand(heaviest, depth + 1)

@@ -50,9 +50,12 @@ def _run_meta(program: TrainProgram, loader) -> dict:
 def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
     now = _run_meta(program, None)
     config = json.loads(json.dumps(now["config"]))  # tuples -> lists, as saved
-    fields = sorted(k for k in set(config) | set(meta["config"]) if config.get(k) != meta["config"].get(k))
+    # A field added since the checkpoint was saved ran at its default (new fields keep old behaviour).
+    defaults = {f.name: f.default for f in dataclasses.fields(program.model) if f.default is not dataclasses.MISSING}
+    saved = json.loads(json.dumps(defaults)) | meta["config"]
+    fields = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
     if meta["model"] != now["model"] or fields:
-        diff = ", ".join(f"{k}: saved {meta['config'].get(k)!r}, now {config.get(k)!r}" for k in fields[:8])
+        diff = ", ".join(f"{k}: saved {saved.get(k)!r}, now {config.get(k)!r}" for k in fields[:8])
         raise CheckpointError(f"{where} holds a checkpoint of {meta['model']} ({diff or 'same fields'}); this run "
                               f"trains {now['model']}. Use another --ckpt directory or the same model settings")
     for key in ("seed", "batch"):
