@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--io", action="store_true",
-                   help="instead: the loader's read path vs the disk on real-size clips (a ~1.6 GB synthetic "
-                        "store of 720p video latents unless --store), cold page cache; no training")
+                   help="instead: the loader vs the disk on real-size clips (a ~2.5 GB synthetic store of 720p "
+                        "video latents unless --store), cold page cache; no training")
     p.add_argument("--dir", default=None, help="--io: where to make the synthetic store (default: the temp dir)")
     p.add_argument("--json", default=None, metavar="OUT")
     return parser
