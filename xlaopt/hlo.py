@@ -23,7 +23,7 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 # An instruction line's groups: "ROOT " or None, name, result type, opcode, everything after `opcode(`.
 INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLS = re.compile(r"\b(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
 
 
@@ -131,7 +131,7 @@ def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
         for line in lines:
             trips = 1
             if " while(" in line:
-                m = _TRIP_COUNT.search(line)
+                m = TRIP_COUNT.search(line)
                 trips = int(m.group(1)) if m else 1
             for callee in _CALLS.findall(line):
                 callers.setdefault(callee, []).append((name, trips))
@@ -165,7 +165,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topolog
             if kind not in KINDS or op.endswith("-done"):
                 continue
             groups = parse_replica_groups(rest)
-            nbytes = _collective_bytes(kind, op, result_type, len(groups[0]) if groups else 1)
+            nbytes = collective_bytes(kind, op, result_type, len(groups[0]) if groups else 1)
             out.append(Collective(
                 name=m.group(2), kind=kind, computation=comp, position=position, is_async=op.endswith("-start"),
                 bytes=nbytes, shapes=tuple(shape_dims(result_type)),
@@ -175,7 +175,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topolog
     return out
 
 
-def _collective_bytes(kind: str, op: str, result_type: str, group_size: int) -> int:
+def collective_bytes(kind: str, op: str, result_type: str, group_size: int) -> int:
     """Compiled HLO names operands without their types, so bytes come from the result type."""
     if op.endswith("-start") and kind in ("all-gather", "reduce-scatter") and (
             kind == "reduce-scatter" or result_type.lstrip().startswith("((")):

@@ -401,7 +401,7 @@ class HloReader:
             return None
         groups = hlo.parse_replica_groups(target.attrs)
         size = len(groups[0]) if groups else 1
-        nbytes = hlo._collective_bytes(kind, op, target.result, size) if kind in hlo.KINDS else \
+        nbytes = hlo.collective_bytes(kind, op, target.result, size) if kind in hlo.KINDS else \
             hlo.shape_bytes(target.result)
         operands = ins.operands if ins.opcode == "async-start" else target.operands
         ratios = [self._widening_ratio(comp, o) for o in operands]
@@ -450,7 +450,7 @@ class HloReader:
 
 
 def _trip_count(ins: Instruction) -> int | None:
-    m = hlo._TRIP_COUNT.search(ins.attrs)
+    m = hlo.TRIP_COUNT.search(ins.attrs)
     if m:
         return int(m.group(1))
     m = re.search(r"backend_config=(\{.*\})", ins.attrs)

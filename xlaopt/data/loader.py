@@ -220,8 +220,10 @@ class Loader:
         self._consumed = state or LoaderState()
         self.prefetch, self.max_prefetch = 2, max_prefetch
         self.read_ahead = read_ahead
+        self._spec = cosmos3_batch_spec(config, self._local_shape)
         # Batches of clips are ~100 MB of latents, rewritten whole each step: reuse their memory.
-        self._x0_pool = BufferPool((max_prefetch + read_ahead + 2) * self._x0_bytes())
+        x0_shape, x0_dtype, _ = self._spec["gen_x0_BVC"]
+        self._x0_pool = BufferPool((max_prefetch + read_ahead + 2) * math.prod(x0_shape) * x0_dtype.itemsize)
         self._fill_times: collections.deque = collections.deque(maxlen=64)
         self._queue: collections.deque = collections.deque()
         self._cv = threading.Condition()
@@ -264,7 +266,7 @@ class Loader:
     def _start(self, rows: list[list[int]], state: LoaderState) -> tuple:
         """A batch's buffers, and its samples' reads started into them."""
         out = {k: (self._x0_pool.empty(s, d) if k == "gen_x0_BVC" else np.zeros(s, d))
-               for k, (s, d, _) in cosmos3_batch_spec(self.config, self._local_shape).items()}
+               for k, (s, d, _) in self._spec.items()}
         ids, into = [], []
         for local, row in enumerate(self._rows):
             g = 0
@@ -287,10 +289,6 @@ class Loader:
             sigmas = [logit_normal_sigma(np.random.default_rng([self.seed, state.epoch, 1, i]), RESOLUTION_SHIFT)
                       for i in ids]
             fill_row(out, local, [next(samples) for _ in ids], sigmas, self.config, latents_placed=True)
-
-    def _x0_bytes(self) -> int:
-        shape, dtype, _ = cosmos3_batch_spec(self.config, self._local_shape)["gen_x0_BVC"]
-        return math.prod(shape) * dtype.itemsize
 
     def __iter__(self):
         return self
