@@ -1,5 +1,6 @@
 """The shard-file read path: the same bytes as tensorstore, and loud, named failures."""
 import dataclasses
+import os
 import re
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import tensorstore as ts
 
 from xlaopt.benchmarks.data_io import format_io_table, run_io
-from xlaopt.checkpoint.hostmem import BufferPool
+from xlaopt.checkpoint.hostmem import BufferPool, aligned_empty, open_for_reading
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.loader import RESOLUTION_SHIFT, Loader, LoaderState, Planner
 from xlaopt.data.packing import fill_row, logit_normal_sigma
@@ -135,6 +136,46 @@ def test_damage_names_the_file(video_store, damage):
             store.read_many(range(len(store)))
     finally:
         store.close()
+
+
+def test_clips_go_from_the_disk_straight_into_an_aligned_destination(video_store):
+    """Latent inner chunks are bare bytes (their crc32c in a side array), so the whole chunks of
+    a clip go from the disk straight into its destination when file offset and address agree
+    modulo 512 bytes (clips here are multiples of 3,600 rows of 128 bytes), and are checked
+    there; a destination off that grid takes the copy path. Same bytes either way, and damage
+    in a chunk read straight into place still fails, naming the file."""
+    want = SampleStore(video_store, direct=False).read_many(range(6))
+    path = video_store / "shard-00000" / "video" / "c" / "0" / "0"
+    fd, direct_io = open_for_reading(path)  # tmpfs, say, has no O_DIRECT: then every read is copied
+    os.close(fd)
+    buf = aligned_empty((20_000 + 1, 32), np.float32)
+    reader = ShardReader()
+    store = SampleStore(video_store, reader=reader)
+    try:
+        for i, sample in enumerate(want):
+            for shift in (0, 1):  # one row: 128 bytes off the grid
+                dest = buf[shift:shift + len(sample.latents)]
+                dest[...] = np.nan
+                before = reader.stats["direct_bytes"]
+                got = store.start_many([i], [dest]).result()[0]
+                assert np.shares_memory(got.latents, dest)
+                np.testing.assert_array_equal(dest, sample.latents)
+                direct = reader.stats["direct_bytes"] - before
+                assert (direct >= 1 << 20) if (direct_io and shift == 0) else direct == 0, (i, shift, direct)
+        index = store._shard_index("shard-00000")
+        first = int(index[0, 2])  # clip 0's first row; damage a byte 5000 rows in, a whole inner chunk
+    finally:
+        store.close()
+    data = bytearray(path.read_bytes())
+    data[(first + 5000) * 32 * 4] ^= 0xFF
+    path.write_bytes(bytes(data))
+    for direct in (True, False):
+        store = SampleStore(video_store, direct=direct)
+        try:
+            with pytest.raises(StoreError, match="crc32c mismatch in inner chunk 2"):
+                store.start_many([0], [buf[:len(want[0].latents)]]).result()
+        finally:
+            store.close()
 
 
 def _expected_batches(store_dir, config, shape, count):

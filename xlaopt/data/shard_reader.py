@@ -1,10 +1,14 @@
 """Row ranges of the sample store's zarr3 arrays, read straight from their shard files.
 
 The store's arrays (see `xlaopt.zarr3`) are zarr3 `sharding_indexed` files: inner chunks, each
-its little-endian bytes followed by their crc32c, then the shard index ((offset, nbytes) per
-inner chunk, uint64 little-endian) and its own crc32c at the end of the file. Reading rows is
-thus: the index once per file, then one positioned read per run of consecutive inner chunks, a
-hardware crc32c per inner chunk, and one copy of the wanted rows into the result.
+its little-endian bytes followed by their crc32c (or bare, their crc32c in a side array), then
+the shard index ((offset, nbytes) per inner chunk, uint64 little-endian) and its own crc32c at
+the end of the file. Reading rows is thus: the index once per file, then one positioned read
+per run of consecutive inner chunks, a hardware crc32c per inner chunk, and one copy of the
+wanted rows into the result. Bare chunks wholly inside the rows asked for skip that copy when
+the destination allows it (contiguous rows, file offset and address on the 512-byte grid of
+direct I/O): the disk writes them straight into place, e.g. a clip's slice of a packed batch,
+and they are checked there.
 
 Why not tensorstore's read: on this 2-core host it spends ~1.6 CPU-ns per byte of multi-MB
 video latents (a page-cache copy, its decode copy, its crc32c, 4 KiB page faults on its
@@ -13,8 +17,8 @@ disk gives ~2 GB/s to parallel direct reads. Here the disk writes into reused pa
 buffers with O_DIRECT (no page-cache copy or bookkeeping), several 4 MiB pieces of a read are
 in flight at once (this virtio disk gives ~0.4 GB/s to 1 MiB reads, ~2 GB/s to 4 MiB ones
 8 deep), and the CPU checksums and copies each byte once (~0.65 CPU-ns per byte, measured with
-`xlaopt.benchmarks.data_io`). Tensorstore stays the writer and the format is unchanged: plain
-tensorstore reads the same files.
+`xlaopt.benchmarks.data_io`), or only checksums them where they land. Tensorstore stays the
+writer, and plain tensorstore reads the same files.
 
 Every inner chunk's crc32c is checked and so is the shard index's; a mismatch, a truncated
 file, a missing file or an index pointing outside its file raises `ShardError` naming the
@@ -35,6 +39,7 @@ import numpy as np
 
 from xlaopt.checkpoint.hostmem import PAGE, BufferPool, aligned_empty, open_for_reading
 from xlaopt.errors import UserError
+from xlaopt.zarr3 import read_chunk_checksums
 
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
 PIECE_BYTES = 4 << 20  # one positioned read: large enough to stream, small enough to spread
@@ -43,6 +48,7 @@ POOL_BYTES = 512 << 20  # freed result buffers kept for reuse
 # (text, actions, a toy store read epoch after epoch) to the disk, ~20x slower than the cache.
 DIRECT_MIN_BYTES = 1 << 20
 _MISSING = (1 << 64) - 1  # an inner chunk the shard does not hold
+DIRECT_ALIGN = 512  # O_DIRECT: file offset, memory address and length in whole logical blocks
 _CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
@@ -68,8 +74,8 @@ class _Array:
         outer = [int(d) for d in meta["chunk_grid"]["configuration"]["chunk_shape"]]
         codecs = meta.get("codecs", [])
         encoding = meta.get("chunk_key_encoding", {"name": "default"})
-        sharded = (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed"
-                   and _normal(codecs[0]["configuration"].get("codecs")) == _CRC
+        inner_codecs = _normal(codecs[0]["configuration"].get("codecs")) if len(codecs) == 1 else None
+        sharded = (len(codecs) == 1 and codecs[0]["name"] == "sharding_indexed" and inner_codecs in (_CRC, _CRC[:1])
                    and _normal(codecs[0]["configuration"].get("index_codecs")) == _CRC
                    and codecs[0]["configuration"].get("index_location", "end") == "end")
         if (not sharded or meta["chunk_grid"].get("name") != "regular" or encoding.get("name") != "default"
@@ -84,7 +90,19 @@ class _Array:
         self.row_shape = self.shape[1:]
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         self.per_shard = self.outer_rows // self.inner_rows  # inner chunks per file
-        self.chunk_bytes = self.inner_rows * self.row_bytes  # encoded: + 4 bytes of crc32c
+        self.chunk_bytes = self.inner_rows * self.row_bytes
+        # Inner chunks end in their crc32c, or are bare bytes with their crc32c in a side array.
+        self.crc: np.ndarray | None = None
+        if inner_codecs == _CRC[:1]:
+            chunks = -(-self.shape[0] // self.inner_rows)
+            try:
+                self.crc = np.asarray(read_chunk_checksums(path), np.uint32)
+            except ValueError as e:
+                raise ShardError(f"{path}: its inner chunks' crc32c side array is missing or damaged ({e})") from None
+            if self.crc.shape != (chunks,):
+                raise ShardError(f"{path}: its crc32c side array holds {self.crc.shape} entries, expected "
+                                 f"({chunks},), one per inner chunk")
+        self.stride = self.chunk_bytes + (4 if self.crc is None else 0)  # an inner chunk's bytes in the file
 
     def file(self, outer_index: int) -> pathlib.Path:
         return self.path.joinpath("c", str(outer_index), *["0"] * (len(self.shape) - 1))
@@ -139,7 +157,7 @@ class _Shard:
         entries = index.copy().view("<u8").reshape(array.per_shard, 2)
         self.offsets, self.nbytes = entries[:, 0].copy(), entries[:, 1].copy()
         present = self.offsets != _MISSING
-        want, data_end = array.chunk_bytes + 4, size - index_bytes
+        want, data_end = array.stride, size - index_bytes
         bad = present & ((self.nbytes != want) | (self.offsets > data_end) | (self.offsets + self.nbytes > data_end))
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
@@ -175,6 +193,24 @@ class _Shard:
                              f"{lo + done} (truncated)")
         return buf[offset - lo:offset - lo + length], buf
 
+    def pread_into(self, offset: int, dest: np.ndarray) -> None:
+        """Bytes [offset, offset + len(dest)) of the file straight into `dest` (uint8): with direct
+        I/O when the shard has it (the caller aligned offset, address and length), through the
+        page cache for a read the filesystem refuses so."""
+        fd, done = (self.fd if self.direct else self.cached_fd), 0
+        while done < len(dest):
+            try:
+                n = os.preadv(fd, [memoryview(dest)[done:]], offset + done)
+            except OSError as e:
+                if fd == self.cached_fd or e.errno != errno.EINVAL:
+                    raise
+                fd = self.cached_fd
+                continue
+            if n == 0:
+                raise ShardError(f"shard file {self.path}: {len(dest) - done} bytes short at offset {offset + done} "
+                                 f"(truncated)")
+            done += n
+
     def _plain_reads(self, fd: int) -> None:
         """The filesystem took O_DIRECT at open but refuses a read: switch to plain reads. The
         old descriptor stays open until the shard closes, as other threads may be using it."""
@@ -182,6 +218,11 @@ class _Shard:
             if self.fd == fd and self.direct:
                 self._retired.append(fd)
                 self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), False
+
+
+def chunk_crc32c(chunks: np.ndarray) -> np.ndarray:
+    """The crc32c of each row of `chunks` (uint8 [chunks, bytes])."""
+    return np.fromiter((google_crc32c.value(c) for c in chunks), np.uint32, len(chunks))
 
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray, at: int, lo: int, hi: int) -> None:
@@ -232,7 +273,7 @@ class ShardReader:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._buffers = BufferPool(pool_bytes)
-        self.stats = {"bytes": 0, "pieces": 0, "read_s": 0.0, "crc_s": 0.0, "copy_s": 0.0}
+        self.stats = {"bytes": 0, "direct_bytes": 0, "pieces": 0, "read_s": 0.0, "crc_s": 0.0, "copy_s": 0.0}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -280,9 +321,9 @@ class ShardReader:
             raise ShardError(f"{array.path}: rows {start}:{stop} need an output of shape {shape} and dtype "
                              f"{array.dtype}, got {out.shape} {out.dtype}")
         pieces = []
-        per_piece = max(1, self.piece_bytes // (array.chunk_bytes + 4))
+        per_piece = max(1, self.piece_bytes // array.stride)
         first, last = start // array.inner_rows, -(-stop // array.inner_rows)  # inner chunks, end exclusive
-        if (last - first) * (array.chunk_bytes + 4) < DIRECT_MIN_BYTES:
+        if (last - first) * array.stride < DIRECT_MIN_BYTES:
             # A small read (served by the page cache) costs less than handing it to a thread.
             done = concurrent.futures.Future()
             try:
@@ -297,8 +338,9 @@ class ShardReader:
 
     def _read_piece(self, array: _Array, k0: int, k1: int, start: int, stop: int, out: np.ndarray) -> None:
         """Inner chunks [k0, k1) (numbered across the array's files): read each run of them that
-        lies consecutively in one file, check every chunk's crc32c, copy its rows in [start, stop)."""
-        stride = array.chunk_bytes + 4
+        lies consecutively in one file, check every chunk's crc32c, and put its rows in [start,
+        stop) into `out`: straight from the disk where they can be (`_direct_span`), else read
+        into a buffer and copied."""
         runs = []  # (shard, first inner chunk in its file, chunks, first chunk's global number)
         for outer in range(k0 // array.per_shard, (k1 - 1) // array.per_shard + 1):  # usually one file
             shard = self._shard(array, outer)
@@ -309,36 +351,69 @@ class ShardReader:
                 raise ShardError(f"shard file {shard.path}: inner chunk {lo + int(missing[0])} is missing from the "
                                  f"shard (the store writes every chunk: the file is damaged)")
             # A run ends where the next chunk does not follow on disk (tensorstore writes them in order).
-            cuts = [0, *(np.flatnonzero(np.diff(offsets) != stride) + 1).tolist(), hi - lo]
+            cuts = [0, *(np.flatnonzero(np.diff(offsets) != array.stride) + 1).tolist(), hi - lo]
             runs += [(shard, lo + a, b - a, base + lo + a) for a, b in zip(cuts, cuts[1:])]
-        read_s = crc_s = copy_s = 0.0
+        t = {"read_s": 0.0, "crc_s": 0.0, "copy_s": 0.0, "direct_bytes": 0}
         for shard, local, count, k in runs:
-            t0 = time.perf_counter()
-            # One buffer per thread, reused: fresh memory costs page faults at about the disk's rate.
-            data, self._local.buf = shard.pread(int(shard.offsets[local]), count * stride,
-                                                getattr(self._local, "buf", None))
-            t1 = time.perf_counter()
-            read_s += t1 - t0
-            chunks = data.reshape(count, stride)
-            stored = chunks[:, array.chunk_bytes:].copy().view("<u4")[:, 0]
-            computed = np.fromiter((google_crc32c.value(c) for c in chunks[:, :array.chunk_bytes]), np.uint32, count)
-            if (bad := np.flatnonzero(stored != computed)).size:
-                j = int(bad[0])
-                at = int(shard.offsets[local + j])
-                raise ShardError(f"shard file {shard.path}: crc32c mismatch in inner chunk {local + j} "
-                                 f"(bytes {at}..{at + stride}); the file is corrupted")
-            t2 = time.perf_counter()
-            # The run's rows as a [chunks, rows, ...] view skipping the crc32c words: one copy.
-            rows = chunks[:, :array.chunk_bytes].view(array.dtype).reshape(count, array.inner_rows, *array.row_shape)
-            row = k * array.inner_rows
-            _copy_rows(out, rows, max(row, start) - start, max(start - row, 0),
-                       min(stop - row, count * array.inner_rows))
-            t3 = time.perf_counter()
-            crc_s, copy_s = crc_s + t2 - t1, copy_s + t3 - t2
+            a, b = self._direct_span(array, shard, local, count, k, start, stop, out)
+            for lo, hi, direct in ((k, a, False), (a, b, True), (b, k + count, False)):
+                if hi > lo:
+                    self._read_run(array, shard, local + lo - k, hi - lo, lo, start, stop, out, direct, t)
         with self._lock:
             s = self.stats
-            s["bytes"] += sum(r[2] for r in runs) * stride
+            s["bytes"] += sum(r[2] for r in runs) * array.stride
             s["pieces"] += 1
-            s["read_s"] += read_s
-            s["crc_s"] += crc_s
-            s["copy_s"] += copy_s
+            for key, value in t.items():
+                s[key] += value
+
+    @staticmethod
+    def _direct_span(array: _Array, shard: _Shard, local: int, count: int, k: int, start: int, stop: int,
+                     out: np.ndarray) -> tuple[int, int]:
+        """The chunks [a, b) of a run (global numbers [k, k + count)) that the disk can write
+        straight into `out`: whole chunks within rows [start, stop), bare bytes (their crc32c in
+        the side array), their rows contiguous in `out`, and file offset, address and length
+        all whole blocks for direct I/O. None (an empty span at the run's end) otherwise."""
+        n = array.inner_rows
+        a, b = max(k, -(-start // n)), min(k + count, stop // n)
+        none = (k + count, k + count)
+        if (array.crc is None or not shard.direct or (b - a) * array.chunk_bytes < DIRECT_MIN_BYTES
+                or array.chunk_bytes % DIRECT_ALIGN or int(shard.offsets[local + a - k]) % DIRECT_ALIGN):
+            return none
+        dest = out[a * n - start:b * n - start]
+        if not dest.flags.c_contiguous or dest.ctypes.data % DIRECT_ALIGN:
+            return none
+        return a, b
+
+    def _read_run(self, array: _Array, shard: _Shard, local: int, count: int, k: int, start: int, stop: int,
+                  out: np.ndarray, direct: bool, t: dict) -> None:
+        """`count` chunks consecutive in `shard` from its chunk `local` (global number `k`): read,
+        checked, and their rows in [start, stop) placed in `out`."""
+        n, offset = array.inner_rows, int(shard.offsets[local])
+        t0 = time.perf_counter()
+        if direct:  # `_direct_span` checked that these rows are whole chunks, contiguous and aligned
+            rows = out[k * n - start:(k + count) * n - start]
+            shard.pread_into(offset, rows.reshape(-1).view(np.uint8))
+            chunks = rows.reshape(-1).view(np.uint8).reshape(count, array.chunk_bytes)
+            t["direct_bytes"] += count * array.chunk_bytes
+        else:
+            # One buffer per thread, reused: fresh memory costs page faults at about the disk's rate.
+            data, self._local.buf = shard.pread(offset, count * array.stride, getattr(self._local, "buf", None))
+            chunks = data.reshape(count, array.stride)
+        t1 = time.perf_counter()
+        stored = (array.crc[k:k + count] if array.crc is not None
+                  else chunks[:, array.chunk_bytes:].copy().view("<u4")[:, 0])
+        computed = chunk_crc32c(chunks[:, :array.chunk_bytes])
+        if (bad := np.flatnonzero(stored != computed)).size:
+            j = int(bad[0])
+            at = int(shard.offsets[local + j])
+            raise ShardError(f"shard file {shard.path}: crc32c mismatch in inner chunk {local + j} "
+                             f"(bytes {at}..{at + array.stride}); the file is corrupted")
+        t2 = time.perf_counter()
+        if not direct:
+            # The run's rows as a [chunks, rows, ...] view skipping any crc32c words: one copy.
+            rows = chunks[:, :array.chunk_bytes].view(array.dtype).reshape(count, n, *array.row_shape)
+            row = k * n
+            _copy_rows(out, rows, max(row, start) - start, max(start - row, 0), min(stop - row, count * n))
+        t["read_s"] += t1 - t0
+        t["crc_s"] += t2 - t1
+        t["copy_s"] += time.perf_counter() - t2

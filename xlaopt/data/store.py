@@ -7,13 +7,18 @@ Layout (open: tensorstore or zarr-python read it without xlaopt):
     DIR/shard-00000/video             float32 [video tokens, video width]
     DIR/shard-00000/action            float32 [action tokens, action width]
     DIR/shard-00000/sound             float32 [sound tokens, sound width]
+    DIR/shard-00000/video_crc32c      uint32  [inner chunks of video] (and action_, sound_crc32c)
     DIR/shard-00000/index             int64   [samples, 9]: text start, text end, latent start,
                                       latent end (in the sample's modality array), modality,
                                       domain, n_clean, the grid packed as t*2^40 + h*2^20 + w,
                                       and the clip's frame rate in millihertz (0: unstated)
 
-Every array is one zarr3 file per shard (sharding codec) with crc32c-checked inner chunks,
-so a corrupted or truncated shard fails loudly, naming the file. The manifest is written
+Every array is one zarr3 file per shard (sharding codec) of crc32c-checked inner chunks, so a
+corrupted or truncated shard fails loudly, naming the file. The latent arrays' inner chunks are
+bare bytes sized to whole 4 KiB pages, their crc32c kept in a side array
+(`xlaopt.zarr3.chunk_checksums_path`): a clip is then one contiguous range of the file, which the
+disk writes straight into the clip's place in a batch, and the checksum is checked there. Plain
+tensorstore still reads every array; only the side arrays' check is xlaopt's. The manifest is written
 last, via a temporary name and a rename: a store without one is incomplete.
 """
 from __future__ import annotations
@@ -27,16 +32,18 @@ from typing import Iterable
 import numpy as np
 import tensorstore as ts
 
+from xlaopt.checkpoint.hostmem import PAGE
 from xlaopt.data.sample import MODALITY_NAMES, TEXT_ONLY, Sample, SampleError
-from xlaopt.data.shard_reader import DIRECT_MIN_BYTES, ShardError, ShardReader
+from xlaopt.data.shard_reader import DIRECT_MIN_BYTES, ShardError, ShardReader, chunk_crc32c
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
-from xlaopt.zarr3 import array_spec, open_spec
+from xlaopt.zarr3 import array_spec, chunk_checksums_path, open_spec, read_chunk_checksums
 
 FORMAT = "xlaopt-sample-store"
-VERSION = 2  # 2: the index gained the frame-rate column
+VERSION = 3  # 2: the index gained the frame-rate column; 3: latents' crc32c in side arrays
 LATENT_ARRAYS = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 _INNER_BYTES = 256 << 10  # inner chunk: a random sample read touches few of them
+_MIN_INNER_BYTES = 4 << 10  # latents: inner chunks near a sample's size, checked whole on every read
 _GRID_BITS = 20
 _INDEX_COLUMNS = 9
 
@@ -45,11 +52,18 @@ class StoreError(UserError):
     pass
 
 
-def _array_spec(path: pathlib.Path, shape: tuple[int, ...], dtype: str) -> dict:
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
-    inner = max(1, _INNER_BYTES // max(row_bytes, 1))
+def _array_spec(path: pathlib.Path, shape: tuple[int, ...], dtype: str, inner_bytes: int = _INNER_BYTES,
+                inner_checksums: bool = True) -> dict:
+    row_bytes = max(int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize, 1)
+    inner = max(1, inner_bytes // row_bytes)
+    # Whole pages per inner chunk where rows allow it (768-byte rows: 16 at a time), so every
+    # chunk starts on a page boundary of the file, as direct I/O into a batch needs.
+    unit = PAGE // math.gcd(row_bytes, PAGE)
+    if unit * row_bytes <= 2 * _INNER_BYTES:
+        inner = max(unit, inner // unit * unit)
     outer = max(inner, -(-max(shape[0], 1) // inner) * inner)  # a multiple of inner covering every row
-    return array_spec(path, shape, dtype, chunk=[outer, *shape[1:]], inner=[inner, *shape[1:]])
+    return array_spec(path, shape, dtype, chunk=[outer, *shape[1:]], inner=[inner, *shape[1:]],
+                      inner_checksums=inner_checksums)
 
 
 class StoreWriter:
@@ -105,7 +119,7 @@ class StoreWriter:
         writes = [self._write(path / "text", text), self._write(path / "index", index)]
         for m, array_name in LATENT_ARRAYS.items():
             data = np.concatenate(latents[m]) if latents[m] else np.zeros((0, self.widths[m]), np.float32)
-            writes.append(self._write(path / array_name, data))
+            writes += self._write_latents(path / array_name, data, [len(x) for x in latents[m]])
         for w in writes:
             w.result()
         self._shards.append({"name": name, "num_samples": len(samples)})
@@ -114,6 +128,23 @@ class StoreWriter:
     def _write(path: pathlib.Path, data: np.ndarray):
         array = ts.open(_array_spec(path, data.shape, data.dtype.name)).result()
         return array.write(data)
+
+    @staticmethod
+    def _write_latents(path: pathlib.Path, data: np.ndarray, lengths: list[int]) -> list:
+        """A latent array of bare inner chunks about the size of its median sample (so a read
+        checks little beyond its sample), and the side array of their crc32c."""
+        row_bytes = max(data.shape[1] * data.itemsize, 1)
+        median = int(np.median(lengths)) * row_bytes if lengths else _INNER_BYTES
+        inner_bytes = min(_INNER_BYTES, max(_MIN_INNER_BYTES, 1 << max(median - 1, 1).bit_length()))
+        spec = _array_spec(path, data.shape, data.dtype.name, inner_bytes, inner_checksums=False)
+        inner = spec["metadata"]["codecs"][0]["configuration"]["chunk_shape"][0]
+        whole = len(data) // inner
+        tail = np.zeros((inner if len(data) % inner else 0, *data.shape[1:]), data.dtype)
+        tail[:len(data) % inner] = data[whole * inner:]  # the last chunk's rows past the end are zeros
+        parts = (np.ascontiguousarray(data[:whole * inner]), tail)
+        crc = np.concatenate([chunk_crc32c(p.view(np.uint8).reshape(-1, inner * row_bytes)) for p in parts])
+        crc_spec = array_spec(chunk_checksums_path(path), crc.shape, "uint32", chunk=[max(len(crc), 1)])
+        return [ts.open(spec).result().write(data), ts.open(crc_spec).result().write(crc)]
 
     def close(self) -> dict:
         self._flush()
@@ -173,6 +204,7 @@ class SampleStore:
         self._starts = np.asarray(starts)
         self._arrays: dict[tuple[str, str], ts.TensorStore] = {}
         self._index: dict[str, np.ndarray] = {}
+        self._checksums: dict[tuple[str, str], np.ndarray] = {}
         self._reader = (reader or ShardReader()) if direct else None
 
     def __len__(self) -> int:
@@ -244,12 +276,29 @@ class SampleStore:
         row_bytes = math.prod(array.shape[1:]) * array.dtype.numpy_dtype.itemsize
         # Small reads (text, actions, toy clips) go through tensorstore: its C++ path costs less per
         # read than ours, which wins on large clips (fewer copies, parallel direct I/O).
-        if self._reader is None or (stop - start) * row_bytes < DIRECT_MIN_BYTES:
-            return shard, name, array[start:stop].read()
-        try:
-            return shard, name, self._reader.read(os.path.join(self.dir, shard, name), start, stop, out)
-        except ShardError as e:
-            raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+        if self._reader is not None and (stop - start) * row_bytes >= DIRECT_MIN_BYTES:
+            try:
+                return shard, name, self._reader.read(os.path.join(self.dir, shard, name), start, stop, out)
+            except ShardError as e:
+                raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+        if name in LATENT_ARRAYS.values():  # bare inner chunks: read them whole and check their crc32c
+            inner = array.chunk_layout.read_chunk.shape[0]
+            c0, c1 = start // inner, -(-stop // inner)
+            whole = array[c0 * inner:min(c1 * inner, array.shape[0])].read()
+            crc = self._chunk_checksums(shard, name)[c0:c1]
+            return shard, name, _CheckedRows(whole, crc, inner, start - c0 * inner, stop - start, c0,
+                                             self.dir / shard / name)
+        return shard, name, array[start:stop].read()
+
+    def _chunk_checksums(self, shard: str, name: str) -> np.ndarray:
+        key = (shard, name)
+        if key not in self._checksums:
+            try:
+                self._checksums[key] = np.asarray(read_chunk_checksums(self.dir / shard / name), np.uint32)
+            except ValueError as e:
+                raise StoreError(f"sample store {self.dir}: the crc32c side array of {shard}/{name} is missing or "
+                                 f"damaged ({e})") from None
+        return self._checksums[key]
 
     def close(self) -> None:
         """Stop the reader's threads and close its files (a store not closed keeps them until exit)."""
@@ -262,6 +311,26 @@ class SampleStore:
             return future.result()
         except ValueError as e:
             raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+
+
+class _CheckedRows:
+    """A tensorstore read of whole bare inner chunks; `result()` checks each chunk's crc32c
+    against the side array and returns the rows asked for."""
+
+    def __init__(self, whole, crc: np.ndarray, inner: int, offset: int, rows: int, first_chunk: int,
+                 array: pathlib.Path):
+        self._whole, self._crc, self._inner = whole, crc, inner
+        self._offset, self._rows, self._first, self._array = offset, rows, first_chunk, array
+
+    def result(self) -> np.ndarray:
+        data = self._whole.result()
+        chunks = np.zeros((len(self._crc) * self._inner, *data.shape[1:]), data.dtype)
+        chunks[:len(data)] = data  # rows past the array's end are zeros in the last chunk
+        computed = chunk_crc32c(chunks.reshape(len(self._crc), -1).view(np.uint8))
+        if (bad := np.flatnonzero(computed != self._crc)).size:
+            raise StoreError(f"crc32c mismatch in inner chunk {self._first + int(bad[0])} of {self._array}: its "
+                             f"shard file is corrupted")
+        return data[self._offset:self._offset + self._rows]
 
 
 class PendingSamples:
