@@ -87,6 +87,10 @@ def test_bad_stores_and_samples_are_refused(tmp_path, samples):
     (tmp_path / "foreign" / "manifest.json").write_text(json.dumps({"format": "orbax"}))
     with pytest.raises(StoreError, match="expected 'xlaopt-sample-store'"):
         SampleStore(tmp_path / "foreign")
+    (tmp_path / "old").mkdir()  # format 2 kept each latent chunk's crc32c inline: written again
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({"format": "xlaopt-sample-store", "version": 2}))
+    with pytest.raises(StoreError, match="version 2, expected 'xlaopt-sample-store' version 3; .*xlaopt data make"):
+        SampleStore(tmp_path / "old")
     with pytest.raises(StoreError, match="no samples were written"):
         StoreWriter(tmp_path / "empty", gen.widths()).close()
     video = next(s for s in drawn if s.modality == VIDEO)

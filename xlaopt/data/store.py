@@ -190,7 +190,9 @@ class SampleStore:
             raise StoreError(f"{manifest_path}: unreadable manifest ({e})") from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise StoreError(f"{manifest_path}: format {self.manifest.get('format')!r} version "
-                             f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+                             f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}; an "
+                             f"older store is written again from its source (`xlaopt data make` for a "
+                             f"synthetic one)")
         names = {v: k for k, v in MODALITY_NAMES.items()}
         self.widths = {names[k]: int(v) for k, v in self.manifest["widths"].items()}
         self._shards = []
