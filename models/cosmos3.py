@@ -24,9 +24,11 @@ import jax.numpy as jnp
 
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, param
+from xlaopt.models.attention import AttentionSpec
+from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
+from xlaopt.models.stack import LayerStack, StackSpec
 
 PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
 MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
@@ -35,7 +37,7 @@ MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
     tower: dict  # TransformerBlock fields shared by both towers
-    attention_block: int = 0
+    attention: AttentionSpec = AttentionSpec()
     reasoner_qk_norm: bool = True
     reasoner_key_norm_for_generator: bool = False
 
@@ -52,9 +54,9 @@ class MoTLayer(nn.Module):
         v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
         T = x_BTD.shape[1]
         tokens_T, tokens_V = tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1])
-        attn_BTHK = attend(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T, self.attention_block)
-        attn_BVHK = attend(q_BVHK, k_BSNK, v_BSNK, tokens_V, tokens_S, self.attention_block)
-        return (reasoner.finish(x_BTD, attn_BTHK), generator.finish(x_BVD, attn_BVHK)), None
+        attn_BTHK = self.attention(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T)
+        attn_BVHK = self.attention(q_BVHK, k_BSNK, v_BSNK, tokens_V, tokens_S)
+        return reasoner.finish(x_BTD, attn_BTHK), generator.finish(x_BVD, attn_BVHK)
 
 
 def timestep_features(sigma: jax.Array, dim: int) -> jax.Array:
@@ -138,6 +140,9 @@ class GeneratorIO(nn.Module):
 class Cosmos3(nn.Module):
     config: Cosmos3Config
     dtype: jnp.dtype = jnp.bfloat16
+    # How the layers run (chosen by the execution config, outside the model).
+    stack: StackSpec = StackSpec()
+    attention: AttentionSpec = AttentionSpec()
     # The rotary inverse frequencies, when they must equal another implementation's float32
     # table bit for bit (see `xlaopt.models.mrope.rope_cos_sin`); None: derived from the config.
     rope_inv_freq: tuple[float, ...] | None = None
@@ -171,14 +176,10 @@ class Cosmos3(nn.Module):
 
         tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt)
-        layer_cls = nn.remat(MoTLayer, prevent_cse=False) if c.remat else MoTLayer
-        layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast,) * 3, length=c.num_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(
-            tower=tower, attention_block=c.attention_block, reasoner_qk_norm=c.reasoner_qk_norm,
-            reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator, name="layers")
-        (x_BTD, x_BVD), _ = layers((x_BTD, x_BVD), tokens_S,
-                                   rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
+        layer = dict(tower=tower, attention=self.attention, reasoner_qk_norm=c.reasoner_qk_norm,
+                     reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator)
+        x_BTD, x_BVD = LayerStack(MoTLayer, layer, c.num_layers, self.stack, name="layers")(
+            (x_BTD, x_BVD), tokens_S, rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD)
         head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))

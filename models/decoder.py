@@ -15,62 +15,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, attend, constrain, embedding_lookup, next_token_loss, param
+from xlaopt.models.attention import AttentionSpec
+from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, next_token_loss, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
-from xlaopt.models.registry import ConfigError, register
+from xlaopt.models.registry import register
+from xlaopt.models.stack import LayerStack, StackSpec
 from xlaopt.models.transformer_config import TransformerConfig
-
-
-def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0) -> jax.Array:
-    """A pricing stand-in for a fused (flash) attention kernel, for `xlaopt calibrate --method
-    compiled` only: its values are wrong on purpose, never train with it. It takes the same
-    inputs and gives the same output shape as `attend`, uses every input (so the q, k, v
-    projections and their gradients stay in the step) and does elementwise work only: what it
-    leaves in the HLO is the kernel's q, k, v, o traffic, while the kernel's FLOPs are priced
-    separately (`costmodel.attention_time_s`)."""
-    del q_tokens, k_tokens, block
-    B, L, H, K = q_BLHK.shape
-    N = k_BSNK.shape[2]
-    q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
-    return (q_BLNRK * k_BSNK[:, :, :, None, :] + v_BSNK[:, :, :, None, :]).reshape(B, L, H, K)
-
-
-# `DecoderConfig.attention` names one of these.
-ATTENTION = {"xla": attend, "io_only": attention_io_only}
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig(TransformerConfig):
-    """MLP: "swiglu" (Llama), "gelu" (GPT, MPT) or "relu2". Attention: "xla" (masked attention in
-    XLA ops) or "io_only" (`attention_io_only`, a pricing stand-in that computes wrong values)."""
+    """MLP: "swiglu" (Llama), "gelu" (GPT, MPT) or "relu2". How attention is computed is an
+    execution setting, not part of the model (`xlaopt.execution`)."""
     family: ClassVar[str] = "decoder"
     qk_norm: bool = False
     tie_embeddings: bool = False
-    attention: str = "xla"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.attention not in ATTENTION:
-            raise ConfigError(f"{self.name}: attention={self.attention!r}; use one of {', '.join(ATTENTION)}")
 
 
 class DecoderLayer(nn.Module):
     block: dict
-    attention_block: int = 0
-    attention: str = "xla"
+    attention: AttentionSpec = AttentionSpec()
 
     @nn.compact
     def __call__(self, x_BTD, tokens_T, rope):
         block = TransformerBlock(name="block", **self.block)
         q_BTHK, k_BTNK, v_BTNK, _ = block.qkv(x_BTD, *rope)
-        attn_BTHK = ATTENTION[self.attention](q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T, self.attention_block)
-        return block.finish(x_BTD, attn_BTHK), None
+        attn_BTHK = self.attention(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T)
+        return block.finish(x_BTD, attn_BTHK)
 
 
 class Decoder(nn.Module):
     config: DecoderConfig
     dtype: jnp.dtype = jnp.bfloat16
+    stack: StackSpec = StackSpec()
+    attention: AttentionSpec = AttentionSpec()
 
     @nn.compact
     def __call__(self, batch: dict) -> jax.Array:
@@ -87,12 +66,8 @@ class Decoder(nn.Module):
         block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt,
                      qk_norm=c.qk_norm)
-        layer_cls = nn.remat(DecoderLayer, prevent_cse=False) if c.remat else DecoderLayer
-        layers = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
-                         metadata_params={nn.PARTITION_NAME: "layers"})(
-            block=block, attention_block=c.attention_block, attention=c.attention, name="layers")
-        x_BTD, _ = layers(x_BTD, tokens_T, rope)
+        x_BTD = LayerStack(DecoderLayer, dict(block=block, attention=self.attention), c.num_layers, self.stack,
+                           name="layers")(x_BTD, tokens_T, rope)
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD)
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)

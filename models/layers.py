@@ -19,30 +19,33 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-# The sharding constraint for activations is installed by whoever traces the model
-# (the training program); the model itself only names logical axes.
-_ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "xlaopt_activation_constraint", default=None)
+# Activation constraints are installed by whoever traces the model (the training program's
+# layout, a pass recording shapes, ...); the model itself only names logical axes. They
+# compose: each installed constraint sees the output of the ones installed before it.
+_ACTIVATION_CONSTRAINTS: contextvars.ContextVar[tuple[Callable, ...]] = contextvars.ContextVar(
+    "xlaopt_activation_constraints", default=())
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Annotate an activation with logical axes; a no-op unless a constraint is installed."""
     assert x.ndim == len(logical_axes), (x.shape, logical_axes)
-    fn = _ACTIVATION_CONSTRAINT.get()
-    return x if fn is None else fn(x, tuple(logical_axes))
+    for fn in _ACTIVATION_CONSTRAINTS.get():
+        x = fn(x, tuple(logical_axes))
+    return x
 
 
 class activation_constraint:
-    """Context manager installing `fn(x, logical_axes) -> x` while a model is traced."""
+    """Context manager adding `fn(x, logical_axes) -> x` to the installed constraints while a
+    model is traced (innermost last)."""
 
-    def __init__(self, fn: Callable | None):
+    def __init__(self, fn: Callable):
         self._fn = fn
 
     def __enter__(self):
-        self._token = _ACTIVATION_CONSTRAINT.set(self._fn)
+        self._token = _ACTIVATION_CONSTRAINTS.set(_ACTIVATION_CONSTRAINTS.get() + (self._fn,))
 
     def __exit__(self, *exc):
-        _ACTIVATION_CONSTRAINT.reset(self._token)
+        _ACTIVATION_CONSTRAINTS.reset(self._token)
 
 
 def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
@@ -112,76 +115,3 @@ class Mlp(nn.Module):
             h_BLF = nn.gelu(up_BLF)
         h_BLF = constrain(h_BLF, ("batch", "seq", "act_mlp"))
         return jnp.einsum("blf,fd->bld", h_BLF, down_FD)
-
-
-def attend(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0) -> jax.Array:
-    """Masked attention of queries over keys, dense or, when `block` > 0 and there are more
-    keys than that, blockwise with an online softmax (memory O(L x block) instead of O(L x S))."""
-    from xlaopt.models.masks import pair_mask
-
-    S = k_BSNK.shape[1]
-    if block <= 0 or S <= block:
-        return attention(q_BLHK, k_BSNK, v_BSNK, pair_mask(q_tokens, k_tokens))
-    return blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block)
-
-
-def blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -> jax.Array:
-    """Attention scanned over key blocks with a running max and sum (Rabe & Staats; the
-    flash-attention recurrence), rematerialised in the backward pass. Masked keys add exact
-    zeros, so what a query may not see cannot change its output, bit for bit."""
-    from xlaopt.models.masks import Tokens, pair_mask
-
-    B, L, H, K = q_BLHK.shape
-    S, N = k_BSNK.shape[1], k_BSNK.shape[2]
-    pad = (-S) % block
-    if pad:  # padded keys belong to no sample (segment -1), so nothing attends to them
-        k_BSNK = jnp.pad(k_BSNK, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v_BSNK = jnp.pad(v_BSNK, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        k_tokens = Tokens(jnp.pad(k_tokens.segment_BL, ((0, 0), (0, pad)), constant_values=-1),
-                          jnp.pad(k_tokens.is_generator_BL, ((0, 0), (0, pad))),
-                          jnp.pad(k_tokens.index_BL, ((0, 0), (0, pad))))
-    nb = (S + pad) // block
-    blocks = lambda a: jnp.moveaxis(a.reshape((B, nb, block) + a.shape[2:]), 1, 0)
-    q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
-
-    @jax.checkpoint
-    def step(carry, xs):
-        m_BNRL, l_BNRL, acc_BLNRK = carry
-        k_BbNK, v_BbNK, seg, gen, idx = xs
-        logits = jnp.einsum("blnrk,bsnk->bnrls", q_BLNRK, k_BbNK, preferred_element_type=jnp.float32) * (K ** -0.5)
-        mask_BLb = pair_mask(q_tokens, Tokens(seg, gen, idx))
-        logits = jnp.where(mask_BLb[:, None, None], logits, -jnp.inf)
-        m_new = jnp.maximum(m_BNRL, logits.max(-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
-        p = jnp.exp(logits - shift[..., None])
-        rescale = jnp.where(jnp.isfinite(m_BNRL), jnp.exp(m_BNRL - shift), 0.0)
-        l_new = l_BNRL * rescale + p.sum(-1)
-        pv = jnp.einsum("bnrls,bsnk->blnrk", p.astype(v_BbNK.dtype), v_BbNK, preferred_element_type=jnp.float32)
-        acc_new = acc_BLNRK * jnp.moveaxis(rescale, -1, 1)[..., None] + pv
-        return (m_new, l_new, acc_new), None
-
-    R = H // N
-    init = (jnp.full((B, N, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, N, R, L), jnp.float32),
-            jnp.zeros((B, L, N, R, K), jnp.float32))
-    xs = (blocks(k_BSNK), blocks(v_BSNK), blocks(k_tokens.segment_BL), blocks(k_tokens.is_generator_BL),
-          blocks(k_tokens.index_BL))
-    (_, l_BNRL, acc_BLNRK), _ = jax.lax.scan(step, init, xs)
-    out = acc_BLNRK / jnp.moveaxis(l_BNRL, -1, 1)[..., None]
-    return out.reshape(B, L, H, K).astype(v_BSNK.dtype)
-
-
-def attention(q_BLHK: jax.Array, k_BSNK: jax.Array, v_BSNK: jax.Array, mask_BLS: jax.Array) -> jax.Array:
-    """Grouped-query attention of L queries over S keys under a boolean mask (True = may attend).
-
-    Softmax in fp32. Every query row must allow at least one key (itself), so masked
-    keys get exactly zero weight and cannot leak into the output, bit for bit.
-    """
-    B, L, H, K = q_BLHK.shape
-    N = k_BSNK.shape[2]
-    q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
-    logits_BNRLS = jnp.einsum("blnrk,bsnk->bnrls", q_BLNRK, k_BSNK,
-                              preferred_element_type=jnp.float32) * (K ** -0.5)
-    logits_BNRLS = jnp.where(mask_BLS[:, None, None], logits_BNRLS, -jnp.inf)
-    probs_BNRLS = jax.nn.softmax(logits_BNRLS, axis=-1).astype(v_BSNK.dtype)
-    out_BLNRK = jnp.einsum("bnrls,bsnk->blnrk", probs_BNRLS, v_BSNK)
-    return out_BLNRK.reshape(B, L, H, K)

@@ -21,8 +21,6 @@ class TransformerConfig:
     mlp_activation: str = "swiglu"
     rope_theta: float = 5e5
     norm_eps: float = 1e-5
-    remat: bool = False  # recompute each layer in the backward pass
-    attention_block: int = 0  # key block of the blockwise attention; 0 = dense masked attention
 
     def __post_init__(self):
         for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):

@@ -13,10 +13,11 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from xlaopt.context import PassContext
 from xlaopt.pipeline import PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
-from xlaopt.step import abstract_params_with_axes, abstract_state, batch_spec, make_optimizer, traced_activation_axes
+from xlaopt.step import batch_spec, make_optimizer
 
 
 def _path_name(path) -> str:
@@ -27,25 +28,28 @@ def _path_name(path) -> str:
 class MeshLayout:
     name: str = "mesh-layout"
     summary: str = "apply the logical-axis rule table to the mesh: shard params, optimizer state, batch, activations"
+    # Constrain activations by the same table while the model is traced (else XLA propagates).
+    constrain_activations: bool = True
 
-    def run(self, program: TrainProgram) -> PassResult:
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         use = RuleUse()
-        params, logical = abstract_params_with_axes(program)
+        params, logical = ctx.cache.params_with_axes(program)
         flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_logical = treedef.flatten_up_to(logical)
         param_specs = treedef.unflatten([
             logical_to_spec(tuple(axes), leaf.shape, program.rules, program.mesh, f"param {_path_name(path)}", use)
             for (path, leaf), axes in zip(flat_params, flat_logical)])
 
-        state = abstract_state(program)
+        state = ctx.cache.abstract_state(program)
         opt_specs = optax.tree_map_params(make_optimizer(program.settings), lambda _, spec: spec, state.opt_state,
                                           param_specs, transform_non_params=lambda _: PartitionSpec(),
                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
         batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)
                        for name, (shape, _, axes) in batch_spec(program).items()}
-        for shape, axes in traced_activation_axes(program):
+        for shape, axes in ctx.cache.activation_axes(program):
             logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
-        shardings = ProgramShardings(TrainState(PartitionSpec(), param_specs, opt_specs), batch_specs)
+        shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs), batch_specs,
+                                        self.constrain_activations)
         new = program.replace(shardings=shardings)
         return PassResult(new, new != program, self._report(program, params, param_specs, use))
 

@@ -1,5 +1,4 @@
 """Blockwise attention equals dense masked attention, and keeps the mask's guarantees."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +6,7 @@ import numpy as np
 import pytest
 
 from xlaopt.models.cosmos3 import Cosmos3
-from xlaopt.models.layers import attend
+from xlaopt.models.attention import AttentionSpec, blockwise_or_dense, dense_attention
 from xlaopt.models.masks import Tokens
 from xlaopt.models.objective import noised_inputs
 
@@ -26,8 +25,8 @@ def _inputs(S=50, L=20, B=2, H=4, N=2, K=16):
 @pytest.mark.parametrize("block", [7, 16, 50])
 def test_blockwise_matches_dense_values_and_gradients(block):
     q, k, v, q_tok, k_tok = _inputs()
-    dense = lambda q, k, v: attend(q, k, v, q_tok, k_tok, 0)
-    blockwise = lambda q, k, v: attend(q, k, v, q_tok, k_tok, block)
+    dense = lambda q, k, v: dense_attention(q, k, v, q_tok, k_tok)
+    blockwise = lambda q, k, v: blockwise_or_dense(q, k, v, q_tok, k_tok, block)
     np.testing.assert_allclose(blockwise(q, k, v), dense(q, k, v), rtol=1e-5, atol=1e-5)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
     for g_b, g_d in zip(jax.grad(loss(blockwise), (0, 1, 2))(q, k, v), jax.grad(loss(dense), (0, 1, 2))(q, k, v)):
@@ -35,8 +34,8 @@ def test_blockwise_matches_dense_values_and_gradients(block):
 
 
 def test_blockwise_model_keeps_samples_isolated(tiny_config, synthetic_batch):
-    config = dataclasses.replace(tiny_config, attention_block=32)
-    model, dense = Cosmos3(config, jnp.float32), Cosmos3(tiny_config, jnp.float32)
+    model = Cosmos3(tiny_config, jnp.float32, attention=AttentionSpec("blockwise", 32))
+    dense = Cosmos3(tiny_config, jnp.float32)
     batch = jax.tree.map(jnp.asarray, synthetic_batch)
     params = model.init(jax.random.key(0), batch)["params"]
     x_t, _ = noised_inputs(batch, jax.random.normal(jax.random.key(1), batch["gen_x0_BVC"].shape))
@@ -48,7 +47,7 @@ def test_blockwise_model_keeps_samples_isolated(tiny_config, synthetic_batch):
     # Change one sample's text: every other token's outputs stay bit-identical.
     victim = np.asarray(batch["text_segment_ids_BT"][0]) == 2
     tokens = np.asarray(batch["text_tokens_BT"]).copy()
-    tokens[0, victim] = (tokens[0, victim] + 3) % config.vocab_size
+    tokens[0, victim] = (tokens[0, victim] + 3) % tiny_config.vocab_size
     logits2, pred2 = run(model, dict(batch, text_tokens_BT=jnp.asarray(tokens)))
     others = np.asarray(batch["gen_segment_ids_BV"][0]) != 2
     np.testing.assert_array_equal(np.asarray(pred2)[0, others], np.asarray(pred)[0, others])

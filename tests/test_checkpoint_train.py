@@ -64,6 +64,25 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path, store, caps
     assert "step 3: 1 fault(s)" in out and str(chunk) in out and "step 6: ok" in out
 
 
+@needs_devices(8)
+@pytest.mark.parametrize("before, after", [("full", "none"), ("none", "full")])
+def test_a_checkpoint_resumes_under_another_execution_config(tmp_path, before, after):
+    """Recomputation is how a step runs, not what it computes: a run checkpointed with one remat
+    policy continues under the other, on the losses the uninterrupted run has."""
+    from xlaopt.verify import TOLERANCES
+
+    common = ["--steps", "4", "--data", "memory", "--ckpt", str(tmp_path / "ckpt"), "--resume"]
+    whole = _train(tmp_path, "whole", *common[:4], "--exec", f"remat={before}")
+    first = _train(tmp_path, "first", "--exec", f"remat={before}", *common, "--ckpt-every", "2")
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
+    rest = _train(tmp_path, "rest", "--exec", f"remat={after}", *common)
+    assert first["execution"]["remat"] == before and rest["execution"]["remat"] == after
+    assert rest["checkpoint"]["resumed_from"] == 2 and [s["step"] for s in rest["steps"]] == [2, 3]
+    loss_tol = TOLERANCES["bfloat16"][0]
+    for got, want in zip(rest["steps"], whole["steps"][2:]):
+        assert abs(got["loss"] - want["loss"]) <= loss_tol * abs(want["loss"])
+
+
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys):
     import dataclasses
 
@@ -92,11 +111,16 @@ def test_a_checkpoint_older_than_a_config_field_resumes_at_its_default():
 
     program = TrainProgram(get_config("llama-tiny"))
     old = json.loads(json.dumps(_run_meta(program, None)))
-    del old["config"]["attention"]  # saved before the field existed
+    del old["config"]["qk_norm"]  # saved before the field existed
     _check_same_run(old, program, "ckpt")
-    io_only = dataclasses.replace(program, model=dataclasses.replace(program.model, attention="io_only"))
-    with pytest.raises(CheckpointError, match="attention: saved 'xla', now 'io_only'"):
-        _check_same_run(old, io_only, "ckpt")
+    qk_norm = dataclasses.replace(program, model=dataclasses.replace(program.model, qk_norm=True))
+    with pytest.raises(CheckpointError, match="qk_norm: saved False, now True"):
+        _check_same_run(old, qk_norm, "ckpt")
+    # Saved while remat and attention were model fields: they are execution settings now, never compared.
+    older = json.loads(json.dumps(_run_meta(program, None)))
+    older["config"].update(remat=True, attention="io_only", attention_block=64)
+    del older["execution"]
+    _check_same_run(older, program, "ckpt")
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -5,10 +5,13 @@ import numpy as np
 import pytest
 
 from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
 from xlaopt.data.synthetic_text import SyntheticText
 from xlaopt.mesh import MeshSpec
+from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.decoder import Decoder, forward_flops
-from xlaopt.models.registry import ConfigError, get_config, parse_overrides
+from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.step import param_count
@@ -64,29 +67,31 @@ def test_decoder_flops_by_hand():
 
 
 def test_unknown_attention_is_refused_naming_the_choices():
-    with pytest.raises(ConfigError, match=r"attention='flash'; use one of xla, io_only"):
-        get_config("llama-tiny", {"attention": "flash"})
+    with pytest.raises(UserError, match=r"attention='flash'; use one of dense, blockwise, io_only"):
+        ExecutionConfig(attention="flash")
 
 
 def test_io_only_attention_keeps_the_parameters_and_changes_the_output():
     batch = jax.tree.map(jnp.asarray, SyntheticText(get_config("llama-tiny"), BatchShape(2, 16, 0), seed=0).batch(0))
-    models = {a: Decoder(get_config("llama-tiny", parse_overrides("llama-tiny", ["num_layers=1", f"attention={a}"])))
-              for a in ("xla", "io_only")}
+    config = get_config("llama-tiny", {"num_layers": 1})
+    models = {a: Decoder(config, attention=AttentionSpec(a)) for a in ("dense", "io_only")}
     shapes = {a: jax.eval_shape(m.init, jax.random.key(0), batch)["params"] for a, m in models.items()}
-    assert shapes["io_only"] == shapes["xla"]
+    assert shapes["io_only"] == shapes["dense"]
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.05, s.shape), s.dtype), shapes["xla"])
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.05, s.shape), s.dtype), shapes["dense"])
     logits = {a: jax.jit(m.apply)({"params": params}, batch) for a, m in models.items()}
-    assert logits["io_only"].shape == logits["xla"].shape and not np.allclose(logits["io_only"], logits["xla"])
+    assert logits["io_only"].shape == logits["dense"].shape and not np.allclose(logits["io_only"], logits["dense"])
 
 
 @needs_devices(8)
 def test_decoder_sharded_matches_single_device():
     config = get_config("llama-tiny", {"num_layers": 2})
-    settings = TrainSettings(batch=BatchShape(8, 64, 0), compute_dtype="float32")
+    settings = TrainSettings(batch=BatchShape(8, 64, 0))
     grads = []
     for mesh in ("", "data=2,fsdp=2,tensor=2"):
-        program, _ = run_pipeline(TrainProgram(config, MeshSpec.parse(mesh), settings=settings), pipeline())
+        program = TrainProgram(config, MeshSpec.parse(mesh), settings=settings,
+                               execution=ExecutionConfig(compute_dtype="float32"))
+        program, _ = run_pipeline(program, pipeline())
         grads.append(one_step_grads(program))
     result = compare(grads[1], grads[0], "float32")
     assert result["ok"], result

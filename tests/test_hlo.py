@@ -8,10 +8,11 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from xlaopt.compile import compile_program
+from xlaopt.execution import ExecutionConfig
 from xlaopt.hlo import collectives, parse_replica_groups
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
-from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.program import TrainProgram
 from xlaopt.step import abstract_params_with_axes
 from xlaopt.topology import parse_topology
 
@@ -34,7 +35,7 @@ def test_replica_group_spellings(attrs, groups):
 
 
 def _compiled(config, mesh: str):
-    program = TrainProgram(config, MeshSpec.parse(mesh), settings=TrainSettings(compute_dtype="float32"))
+    program = TrainProgram(config, MeshSpec.parse(mesh), execution=ExecutionConfig(compute_dtype="float32"))
     program, _ = run_pipeline(program, pipeline())
     return program, compile_program(program).train_step.as_text()
 

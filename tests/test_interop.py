@@ -105,7 +105,7 @@ def test_import_train_export_reload(reference_dir, tmp_path):
     from xlaopt.program import TrainSettings
 
     mesh = MeshSpec.parse("data=2,fsdp=2,tensor=2")
-    settings = TrainSettings(batch=BatchShape(8, 16, 32), compute_dtype="float32", warmup_steps=1)
+    settings = TrainSettings(batch=BatchShape(8, 16, 32), warmup_steps=1)
     info = import_to_checkpoint(reference_dir, tmp_path / "ckpt", mesh, settings=settings)
     config, program = info["config"], info["program"]
     compiled = CompiledProgram(program)

@@ -8,10 +8,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from xlaopt.compile import compile_program
+from xlaopt.context import PassContext
 from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
-from xlaopt.pipeline import PassResult, PipelineError, pipeline, run_pipeline, select_passes
-from xlaopt.program import HloTransform, NamedTransform, TrainProgram
+from xlaopt.models.registry import get_config
+from xlaopt.pipeline import PassResult, PipelineError, parse_pass_options, pipeline, run_pipeline, select_passes
+from xlaopt.program import TrainProgram
+from xlaopt.topology import parse_topology
+from xlaopt.transforms import GradTransform, HloTransform
+from xlaopt.transforms.compiler_options import CompilerOptions
 
 from conftest import needs_devices
 
@@ -31,7 +37,72 @@ def test_mesh_layout_changes_once_then_nothing(program):
     once, records = run_pipeline(program, pipeline())
     assert records[0].changed and once.shardings is not None and program.shardings is None  # input untouched
     twice, records2 = run_pipeline(once, pipeline())
-    assert not records2[0].changed and twice == once
+    assert [r.changed for r in records2] == [False] * len(pipeline()) and twice == once
+
+
+def test_equal_programs_built_apart_hash_and_compare_equal(program):
+    ctx = PassContext()
+    a, _ = run_pipeline(program, pipeline(), ctx=ctx)
+    rebuilt = TrainProgram(get_config("cosmos3-tiny", {"num_layers": 2}), MeshSpec.parse("tensor=2,fsdp=2"),
+                           compiler_options={"xla_cpu_enable_fast_math": False})
+    b, _ = run_pipeline(rebuilt, pipeline())
+    a = a.replace(compiler_options=CompilerOptions([("xla_cpu_enable_fast_math", False)]))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.shardings.state.params["embed_ED"] == P("tensor", "fsdp")  # the flat form unflattens
+    assert b != b.replace(execution=ExecutionConfig(remat="full"))
+    # The context's cache traced the model once for the first run, not once per lookup.
+    run_pipeline(program, pipeline(), ctx=ctx)
+    assert ctx.cache.misses == 3
+
+
+def test_a_pass_reads_the_topology_and_target_from_its_context(program):
+    @dataclasses.dataclass(frozen=True)
+    class NodeSized:
+        name: str = "node-sized"
+        summary: str = "sets the number of micro-batches from the GPUs per node (a toy rule)"
+
+        def run(self, p, ctx):
+            assert ctx.target == "gpu"
+            execution = dataclasses.replace(p.execution, micro_batches=ctx.topology.devices_per_node)
+            new = p.replace(execution=execution)
+            return PassResult(new, new != p, {"devices_per_node": ctx.topology.devices_per_node})
+
+    gpu = program.replace(target="gpu")
+    ctx = PassContext.for_program(gpu, parse_topology("h100:2x4"))
+    out, records = run_pipeline(gpu, (NodeSized(),), ctx=ctx)
+    assert out.execution.micro_batches == 4 and records[0].report == {"devices_per_node": 4}
+    with pytest.raises(UserError, match="the pipeline runs for target cpu but the program is built for gpu"):
+        run_pipeline(gpu, (NodeSized(),), ctx=PassContext())
+
+
+def test_pass_options_are_typed_and_checked():
+    options = parse_pass_options(["mesh-layout.constrain_activations=false"])
+    assert pipeline(options)[0].constrain_activations is False and pipeline()[0].constrain_activations is True
+    for item, message in [("mesh-layuot.x=1", "unknown pass 'mesh-layuot'; passes are: mesh-layout"),
+                          ("mesh-layout.constrain=1", "did you mean 'constrain_activations'"),
+                          ("mesh-layout.constrain_activations=maybe", "expected true or false"),
+                          ("constrain_activations=false", "expected PASS.FIELD=VALUE")]:
+        with pytest.raises(UserError, match=message):
+            parse_pass_options([item])
+
+
+def test_compiler_options_are_sorted_and_conflicts_refused():
+    a = CompilerOptions.parse(["xla_cpu_enable_fast_math=false", "xla_backend_optimization_level=2"])
+    b = CompilerOptions({"xla_backend_optimization_level": 2, "xla_cpu_enable_fast_math": False})
+    assert a == b and hash(a) == hash(b) and list(a) == ["xla_backend_optimization_level", "xla_cpu_enable_fast_math"]
+    assert CompilerOptions([("xla_dump_to", "x"), ("xla_dump_to", "x")]) == {"xla_dump_to": "x"}
+    with pytest.raises(UserError, match="given twice, as 1 and 2; keep one"):
+        CompilerOptions([("xla_backend_optimization_level", 1), ("xla_backend_optimization_level", 2)])
+    with pytest.raises(UserError, match="xla_gpu_enable_latency_hiding_scheduler is for XLA's GPU compiler; "
+                                        "this program compiles for cpu"):
+        TrainProgram(get_config("llama-tiny"), compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+    TrainProgram(get_config("llama-tiny"), target="gpu", compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+
+
+def test_an_unknown_compiler_option_is_named_by_xla():
+    program = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), compiler_options={"xla_no_such_flag": 1})
+    with pytest.raises(UserError, match="No such compile option: 'xla_no_such_flag'"):
+        compile_program(program).grads  # noqa: B018
 
 
 def test_changed_must_be_honest(program):
@@ -40,7 +111,7 @@ def test_changed_must_be_honest(program):
         name: str = "liar"
         summary: str = "claims a change it did not make"
 
-        def run(self, p):
+        def run(self, p, ctx):
             return PassResult(p, True, {})
 
     with pytest.raises(PipelineError, match="'liar' reported changed=True but the program did not change"):
@@ -53,7 +124,7 @@ def test_failing_pass_is_named_with_what_ran_before(program):
         name: str = "broken"
         summary: str = "raises"
 
-        def run(self, p):
+        def run(self, p, ctx):
             raise KeyError("boom")
 
     with pytest.raises(PipelineError, match="'broken' failed \\(passes run before it: mesh-layout\\)"):
@@ -73,7 +144,7 @@ def test_disable_by_name_leaves_everything_replicated(program):
 
 @needs_devices(4)
 def test_dump_appears_where_asked(program, tmp_path):
-    small = program.replace(settings=dataclasses.replace(program.settings, compute_dtype="float32"))
+    small = program.replace(execution=ExecutionConfig(compute_dtype="float32"))
     _, records = run_pipeline(small, pipeline(), dump_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00-input.compiled.hlo", "00-input.lowered.mlir",
@@ -86,23 +157,40 @@ def test_dump_appears_where_asked(program, tmp_path):
     assert before.count("all-gather") == 0 and after.count("all-gather") > 0
 
 
-def test_traced_function_and_hlo_levels_are_wired(program):
-    """A grad transform rewrites the traced step; an HLO transform sees the compiled module."""
-    seen = []
+@dataclasses.dataclass(frozen=True)
+class ScaleLoss(GradTransform):
+    name = "scale-loss"
+    factor: float
 
-    def watch(module_proto: bytes):
-        seen.append(len(module_proto))
-        return None  # unchanged
-
-    def double_loss(grad_fn):
+    def apply(self, grad_fn):
         def wrapped(params, batch, key):
             loss, metrics, grads = grad_fn(params, batch, key)
-            return 2 * loss, metrics, grads
+            return self.factor * loss, metrics, grads
         return wrapped
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Watch(HloTransform):
+    name = "watch"
+    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+
+    def rewrite(self, module_proto):
+        self.seen.append(len(module_proto))
+        return None  # unchanged
+
+
+def test_transforms_compare_by_value():
+    assert ScaleLoss(2.0) == ScaleLoss(2.0) and hash(ScaleLoss(2.0)) == hash(ScaleLoss(2.0))
+    assert ScaleLoss(2.0) != ScaleLoss(3.0)
+    with pytest.raises(TypeError, match="is not a GradTransform"):
+        TrainProgram(get_config("llama-tiny"), grad_transforms=(lambda f: f,))
+
+
+def test_traced_function_and_hlo_levels_are_wired(program):
+    """A grad transform rewrites the traced step; an HLO transform sees the compiled module."""
+    watch = Watch()
     base = TrainProgram(program.model)  # single device
-    rewritten = base.replace(grad_transforms=(NamedTransform("double-loss", double_loss),),
-                             hlo_transforms=(HloTransform("watch", watch),))
+    rewritten = base.replace(grad_transforms=(ScaleLoss(2.0),), hlo_transforms=(watch,))
     from xlaopt.data.synthetic_cosmos import SyntheticCosmos
     batch = SyntheticCosmos(base.model, base.settings.batch).batch(0)
     losses = []
@@ -110,5 +198,34 @@ def test_traced_function_and_hlo_levels_are_wired(program):
         c = compile_program(p)
         params = c.init(jax.random.key(0)).params
         losses.append(float(c.grads(params, c.put_batch(batch), jax.random.key(1))[0]))
-    assert seen, "the HLO transformation was never called"
+    assert watch.seen, "the HLO transformation was never called"
     np.testing.assert_allclose(losses[1], 2 * losses[0], rtol=1e-6)
+
+
+@needs_devices(4)
+def test_tracing_installs_the_mesh_and_constraints_compose(program):
+    """A rewrite sees the program's mesh while tracing, and a constraint it installs runs
+    together with the layout's own on every activation."""
+    from xlaopt.models.layers import activation_constraint
+
+    seen = []
+
+    class Record(GradTransform):
+        name = "record"
+
+        def apply(self, grad_fn):
+            def wrapped(params, batch, key):
+                seen.append(dict(jax.sharding.get_abstract_mesh().shape))
+                with activation_constraint(lambda x, axes: seen.append(axes) or x):
+                    return grad_fn(params, batch, key)
+            return wrapped
+
+    laid_out, _ = run_pipeline(program.replace(grad_transforms=(Record(),)), pipeline())
+    # Traced twice (the layout pass's abstract trace, then the compile), each time on the mesh.
+    lowered = compile_program(laid_out).lowered.as_text()
+    marks = [i for i, s in enumerate(seen) if isinstance(s, dict)]
+    assert [seen[i] for i in marks] == [{"data": 1, "fsdp": 2, "tensor": 2, "context": 1}] * 2
+    recorded = len(seen) - marks[1] - 1
+    # Every activation the recorder saw also got the layout's sharding constraint, and no other
+    # (each once in the forward pass and once, transposed, in the backward pass).
+    assert recorded > 10 and lowered.count("sdy.sharding_constraint") == 2 * recorded

@@ -2,6 +2,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from xlaopt.context import PassContext
 from xlaopt.mesh import MeshError, MeshSpec
 from xlaopt.passes.mesh_layout import MeshLayout
 from xlaopt.program import TrainProgram
@@ -41,7 +42,7 @@ def test_unused_rules_are_reported():
 
 def test_layout_specs_on_mesh_data2_fsdp2_tensor2(tiny_config):
     program = TrainProgram(tiny_config, MeshSpec.parse("data=2,fsdp=2,tensor=2"))
-    result = MeshLayout().run(program)
+    result = MeshLayout().run(program, PassContext())
     params = result.program.shardings.state.params
     assert params["embed_ED"] == P("tensor", "fsdp")
     assert params["lm_head_DE"] == P("fsdp", "tensor")
@@ -65,4 +66,4 @@ def test_layout_specs_on_mesh_data2_fsdp2_tensor2(tiny_config):
 ])
 def test_meshes_that_do_not_divide_are_rejected(tiny_config, mesh, message):
     with pytest.raises(MeshError, match=message):
-        MeshLayout().run(TrainProgram(tiny_config, MeshSpec.parse(mesh)))
+        MeshLayout().run(TrainProgram(tiny_config, MeshSpec.parse(mesh)), PassContext())

@@ -6,16 +6,18 @@ import pytest
 from xlaopt.cli import main
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
-from xlaopt.program import NamedTransform, TrainProgram, TrainSettings
+from xlaopt.execution import ExecutionConfig
+from xlaopt.program import TrainProgram
+from xlaopt.transforms import GradTransform
 from xlaopt.verify import compare, one_step_grads
 
 from conftest import SMALL, needs_devices
 
-SETTINGS = TrainSettings(compute_dtype="float32")
+FP32 = ExecutionConfig(compute_dtype="float32")
 
 
 def _grads(config, mesh: str, transforms=()):
-    program = TrainProgram(config, MeshSpec.parse(mesh), settings=SETTINGS, grad_transforms=transforms)
+    program = TrainProgram(config, MeshSpec.parse(mesh), execution=FP32, grad_transforms=transforms)
     program, _ = run_pipeline(program, pipeline())
     return one_step_grads(program)
 
@@ -33,16 +35,20 @@ def test_sharded_matches_single_device(tiny_config, reference, mesh):
     assert result["max_rel_diff_grads"] > 0 or mesh == "data=8"  # partitioning really reordered sums
 
 
-def test_verify_catches_a_wrong_gradient(tiny_config, reference):
-    """A 1% error in one gradient leaf, the size of a partial reduction bug, fails the check."""
-    def corrupt(grad_fn):
+class Corrupt(GradTransform):
+    name = "corrupt"
+
+    def apply(self, grad_fn):
         def wrapped(params, batch, key):
             loss, metrics, grads = grad_fn(params, batch, key)
             grads = dict(grads, lm_head_DE=grads["lm_head_DE"] * 1.01)
             return loss, metrics, grads
         return wrapped
 
-    result = compare(_grads(tiny_config, "", (NamedTransform("corrupt", corrupt),)), reference, "float32")
+
+def test_verify_catches_a_wrong_gradient(tiny_config, reference):
+    """A 1% error in one gradient leaf, the size of a partial reduction bug, fails the check."""
+    result = compare(_grads(tiny_config, "", (Corrupt(),)), reference, "float32")
     assert not result["ok"] and result["worst_grad"] == "['lm_head_DE']"
     assert result["max_rel_diff_grads"] == pytest.approx(0.01, rel=1e-3)
 

@@ -89,7 +89,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str = "c
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
     schedule = build_schedule(text)
     cpu = target == "cpu"
-    dtype = program.settings.compute_dtype
+    dtype = program.execution.compute_dtype
     sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
                    cpu_fixups=cpu, keep_timeline=keep_timeline or trace is not None)
     price_s = time.perf_counter() - t0

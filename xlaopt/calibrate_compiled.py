@@ -15,8 +15,8 @@ compiled on CPU would not:
   XLA ops that write the seq x seq logits to memory several times per layer (and, without
   recomputation, keep them for the backward), which priced by the roofline is several times the
   kernel's time. With `attention="kernel"` (the default) the decoder is compiled with an
-  attention of the same inputs and output and elementwise cost (`DecoderConfig.attention` =
-  "io_only", see `xlaopt.models.decoder.attention_io_only`), and the kernel is priced by
+  attention of the same inputs and output and elementwise cost (the execution setting
+  `attention="io_only"`, see `xlaopt.models.attention.attention_io_only`), and the kernel is priced by
   `costmodel.attention_time_s` on the causal FLOPs, exactly as the analytic model prices it
   (forward, 2.5x backward, again when the layer is recomputed).
   `attention="xla"` compiles and prices the decoder's own attention.
@@ -28,7 +28,7 @@ compiled on CPU would not:
   `cpu_fixups`, which does not cover this case yet).
 
 What the compiled step still cannot show (reported per row in `approximations`):
-recomputation is all or nothing (`DecoderConfig.remat`), so TorchTitan's per-op policy and
+recomputation is compiled as the execution setting `remat` ("full" or "none"), so TorchTitan's per-op policy and
 MaxText's "minimal" compile without recomputation, and XLA's full remat leaves out the MLP down
 projection; xlaopt's rule table has no sequence parallelism; XLA fuses elementwise ops, so eager
 PyTorch's extra memory traffic is absent; a `dp` axis replicates optimizer state where Megatron
@@ -49,8 +49,8 @@ from xlaopt import costmodel as cm
 from xlaopt.errors import UserError
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 
-# Each `attention` choice of `compile_step` as the `DecoderConfig.attention` it compiles.
-ATTENTION = {"kernel": "io_only", "xla": "xla"}
+# Each `attention` choice of `compile_step` as the execution setting `attention` it compiles.
+ATTENTION = {"kernel": "io_only", "xla": "dense"}
 # AdamW, the global-norm clip and the step counter run outside value_and_grad: their ops carry
 # neither the forward's `jvp(` nor the backward's `transpose(` in their JAX name stack.
 _GRAD_SCOPES = ("jvp(", "transpose(")
@@ -97,16 +97,22 @@ def approximations(priced) -> list[str]:
     return notes
 
 
-def decoder_config(run, recompute: str, attention: str = "xla"):
-    """xlaopt's generic decoder with the row's shape and `attention` (a `DecoderConfig.attention`);
-    raises ConfigError when it cannot be."""
+def decoder_config(run):
+    """xlaopt's generic decoder with the row's shape; raises ConfigError when it cannot be."""
     from xlaopt.models.decoder import DecoderConfig
 
     s = run.shape
     return DecoderConfig(name=f"{run.model or 'decoder'} ({run.id})", vocab_size=s.vocab, d_model=s.d_model,
                          num_layers=s.layers, num_heads=s.heads, num_kv_heads=s.kv_heads, mlp_dim=s.ffn,
-                         mlp_activation=s.mlp, tie_embeddings=s.tied_embeddings, remat=recompute == "full",
-                         attention=attention)
+                         mlp_activation=s.mlp, tie_embeddings=s.tied_embeddings)
+
+
+def execution_for(recompute: str, attention: str):
+    """The execution config a row compiles under: its recomputation and `attention` (a key of
+    `ATTENTION`)."""
+    from xlaopt.execution import ExecutionConfig
+
+    return ExecutionConfig(remat="full" if recompute == "full" else "none", attention=ATTENTION[attention])
 
 
 def mesh_for(layout) -> MeshSpec:
@@ -130,7 +136,7 @@ class CompiledStep:
 
     def attention_s(self, eff: cm.Efficiency) -> float:
         """One micro-batch's fused attention kernels on one device (0 when compiled as XLA ops)."""
-        if self.attention == "xla":
+        if self.attention == "xla":  # compiled as XLA ops, priced with the rest of the HLO
             return 0.0
         run, layout = self.priced.run, self.priced.run.layout
         flops = run.shape.attention_forward_flops(layout.micro_batch, layout.seq_len) / layout.tp
@@ -187,9 +193,10 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
         return (f"needs {mesh.num_devices} simulated CPU devices, this process has {have} (JAX started before "
                 f"calibrate could ask for more)")
     try:
-        config = decoder_config(run, priced.software.recompute, ATTENTION[attention])
+        config = decoder_config(run)
         batch = BatchShape(layout.micro_batch * layout.data, layout.seq_len, 0)
-        program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch, compute_dtype="bfloat16"))
+        program = TrainProgram(config, mesh, settings=TrainSettings(batch=batch),
+                               execution=execution_for(priced.software.recompute, attention))
         check_fits(program, priced.topology)
         t0 = time.perf_counter()
         program, _ = run_pipeline(program, pipeline())

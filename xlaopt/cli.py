@@ -6,6 +6,7 @@ set before JAX starts. Bad input ends in one line naming the problem and the fix
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -25,7 +26,15 @@ def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
     p.add_argument("--layout", default=None, metavar="FILE",
                    help="a layout file (TOML/JSON: mesh and logical-axis rules; see xlaopt.layout) instead of --mesh")
-    p.add_argument("--dtype", default=default_dtype, help=f"compute dtype (default {default_dtype})")
+    p.add_argument("--dtype", default=default_dtype,
+                   help=f"compute dtype, the execution setting compute_dtype (default {default_dtype})")
+    p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
+                   help="an execution setting (xlaopt.execution: remat, attention, attention_block, layer_stack, "
+                        "micro_batches), e.g. --exec remat=full (repeatable); a resume accepts any")
+    p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compiler option, e.g. --xla-option xla_cpu_enable_fast_math=false (repeatable)")
+    p.add_argument("--pass-option", action="append", default=[], metavar="PASS.FIELD=VALUE",
+                   help="a pass's option, e.g. --pass-option mesh-layout.constrain_activations=false (repeatable)")
     p.add_argument("--batch-size", type=int, default=None, help="packed rows per step (default: the model family's)")
     p.add_argument("--text-len", type=int, default=None, help="text (reasoner) tokens per packed row")
     p.add_argument("--gen-len", type=int, default=None, help="generator tokens per packed row (Cosmos 3)")
@@ -165,7 +174,6 @@ def _program_on_devices(args):
     Importing JAX is fine here; what must wait for the device count is its first backend use."""
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
-    from xlaopt.program import TrainProgram, TrainSettings
 
     from xlaopt import distributed
 
@@ -199,8 +207,18 @@ def _program_on_devices(args):
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
-    return TrainProgram(config, mesh, rules=rules,
-                        settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
+    return _program(args, config, mesh, rules, batch)
+
+
+def _program(args, config, mesh, rules, batch, target: str = "cpu"):
+    """The program of the model, layout and batch, with the arguments' settings."""
+    from xlaopt.execution import ExecutionConfig, parse_execution
+    from xlaopt.program import TrainProgram, TrainSettings
+    from xlaopt.transforms.compiler_options import CompilerOptions
+
+    execution = parse_execution(args.exec, ExecutionConfig(compute_dtype=args.dtype))
+    return TrainProgram(config, mesh, rules=rules, settings=TrainSettings(batch=batch, seed=args.seed),
+                        execution=execution, target=target, compiler_options=CompilerOptions.parse(args.xla_option))
 
 
 def _mesh_and_rules(args):
@@ -216,12 +234,14 @@ def _mesh_and_rules(args):
     return layout.mesh, layout.rules
 
 
-def _apply_pipeline(args, program, dump_dir):
-    from xlaopt.pipeline import pipeline, run_pipeline, select_passes
+def _apply_pipeline(args, program, dump_dir, topology=None):
+    from xlaopt.context import PassContext
+    from xlaopt.pipeline import parse_pass_options, pipeline, run_pipeline, select_passes
 
     names = lambda text: [n.strip() for n in text.split(",") if n.strip()]
-    passes = select_passes(pipeline(), names(args.passes) if args.passes is not None else None, names(args.disable))
-    program, records = run_pipeline(program, passes, dump_dir)
+    passes = select_passes(pipeline(parse_pass_options(args.pass_option)),
+                           names(args.passes) if args.passes is not None else None, names(args.disable))
+    program, records = run_pipeline(program, passes, dump_dir, PassContext.for_program(program, topology))
     return program, [{"name": r.name, "changed": r.changed, "report": r.report, "dumped": list(r.dumped)}
                      for r in records]
 
@@ -267,9 +287,11 @@ def cmd_verify(args) -> int:
     mesh = program.mesh
     sharded, passes = _apply_pipeline(args, program, args.dump_hlo)
     single, _ = _apply_pipeline(args, program.replace(mesh=MeshSpec()), None)
-    result = compare(one_step_grads(sharded), one_step_grads(single), args.dtype)
-    result.update(model=args.model, mesh=mesh.as_dict(), dtype=args.dtype, passes=passes)
-    print(f"verify {args.model} on {mesh} ({args.dtype}): loss diff {result['max_abs_diff_loss']:.3g} "
+    dtype = program.execution.compute_dtype
+    result = compare(one_step_grads(sharded), one_step_grads(single), dtype)
+    result.update(model=args.model, mesh=mesh.as_dict(), dtype=dtype, execution=dataclasses.asdict(program.execution),
+                  passes=passes)
+    print(f"verify {args.model} on {mesh} ({dtype}): loss diff {result['max_abs_diff_loss']:.3g} "
           f"(tol {result['loss_tolerance']:.3g}), max grad rel diff {result['max_rel_diff_grads']:.3g} "
           f"at {result['worst_grad']} (tol {result['grad_tolerance']:.3g}): {'ok' if result['ok'] else 'MISMATCH'}")
     _write_json(args.json, result)
@@ -288,7 +310,7 @@ def cmd_inspect(args) -> int:
                         f"{topology.name} has {topology.num_devices}")
     from xlaopt.inspection import format_report, inspect_program
 
-    program, passes = _apply_pipeline(args, program, args.dump_hlo)
+    program, passes = _apply_pipeline(args, program, args.dump_hlo, topology)
     report = inspect_program(program, topology)
     print(format_report(report))
     _write_json(args.json, dict(report, passes=passes))
@@ -298,7 +320,6 @@ def cmd_inspect(args) -> int:
 def cmd_analyze(args) -> int:
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
-    from xlaopt.program import TrainProgram, TrainSettings
     from xlaopt.topology import parse_topology
 
     topology = parse_topology(args.topology)
@@ -319,10 +340,9 @@ def cmd_analyze(args) -> int:
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(analysis_batch_size(mesh, default.batch_size, args.batch_size),
                        pick(args.text_len, default.text_len), pick(args.gen_len, default.gen_len))
-    program = TrainProgram(config, mesh, rules=rules,
-                           settings=TrainSettings(batch=batch, compute_dtype=args.dtype, seed=args.seed))
-    program, passes = _apply_pipeline(args, program, None)
-    result = analyze(program, topology, args.target, args.trace, args.dump_hlo)
+    program = _program(args, config, mesh, rules, batch, target=args.target)
+    program, passes = _apply_pipeline(args, program, None, topology)
+    result = analyze(program, topology, program.target, args.trace, args.dump_hlo)
     result["passes"] = passes
     print(format_analysis(result))
     _write_json(args.json, result)

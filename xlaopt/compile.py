@@ -1,4 +1,17 @@
-"""Turn a TrainProgram into jitted, sharded functions on a device mesh."""
+"""Turn a TrainProgram into jitted, sharded functions on a device mesh.
+
+Tracing runs with the mesh installed (`jax.set_mesh`, so a shard_map rewrite finds it) and the
+layout's activation constraints. Compilation passes the program's compiler options and
+registers its HLO transforms for exactly that compile. Two facts of jax 0.10.2 shape this
+(both shown by tests/test_hlo_transforms.py):
+  - neither JAX's in-process executable cache nor its persistent cache keys on registered
+    transforms, so a program with transforms also carries their fingerprint in its compile
+    options: as a pass name in `xla_disable_hlo_passes` that no XLA pass has, which disables
+    nothing and makes every cache key differ from one compiled without them;
+  - transforms are registered for a non-CPU platform only when its backend initialises,
+    which a compile-only (deviceless) GPU topology never does: XLA's GPU pipeline would
+    silently compile without them, so such a program is refused.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xlaopt.errors import UserError
 from xlaopt.mesh import make_mesh
 from xlaopt.models.layers import activation_constraint
 from xlaopt.program import TrainProgram
@@ -100,8 +114,22 @@ class CompiledProgram:
         return self._compile(self._init_jit.lower(self._abstract_key))
 
     def _compile(self, lowered):
-        with _hlo_transforms(self.program):
-            return lowered.compile(dict(self.program.compiler_options))
+        program = self.program
+        options = dict(program.compiler_options)
+        if program.hlo_transforms:
+            _check_transforms_run(program, self.mesh)
+            marker = ",".join(f"xlaopt-hlo-transform-{t.fingerprint()[:16]}" for t in program.hlo_transforms)
+            options["xla_disable_hlo_passes"] = ",".join(filter(None, (str(options.get("xla_disable_hlo_passes", "")),
+                                                                        marker)))
+        with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform):
+            try:
+                return lowered.compile(options)
+            except Exception as e:  # XLA's own words on an option it does not know or cannot parse
+                message = str(e)
+                if "No such compile option" in message or "While setting option" in message:
+                    raise UserError(f"compiler options {dict(program.compiler_options)}: XLA (jax "
+                                    f"{jax.__version__}) says: {message.splitlines()[0]}") from None
+                raise
 
 
 def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:
@@ -110,28 +138,47 @@ def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None
 
 @contextlib.contextmanager
 def _tracing_context(program: TrainProgram, mesh):
-    if program.shardings is None or not program.shardings.constrain_activations:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        if program.shardings is not None and program.shardings.constrain_activations:
+            def constrain(x, axes):
+                spec = logical_to_spec(axes, x.shape, program.rules, program.mesh, f"activation {axes}")
+                return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+            stack.enter_context(activation_constraint(constrain))
         yield
+
+
+def _check_transforms_run(program: TrainProgram, mesh) -> None:
+    """Refuse to compile where registered transforms would not run (see the module docstring)."""
+    platform = mesh.devices.flat[0].platform
+    if platform == "cpu":
         return
-
-    def constrain(x, axes):
-        spec = logical_to_spec(axes, x.shape, program.rules, program.mesh, f"activation {axes}")
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-    with activation_constraint(constrain):
-        yield
+    try:
+        live = set(jax.devices(platform))
+    except RuntimeError:
+        live = set()
+    if mesh.devices.flat[0] not in live:
+        names = ", ".join(t.name for t in program.hlo_transforms)
+        raise UserError(f"HLO transforms ({names}) cannot run in a deviceless {platform.upper()} compile on jax "
+                        f"{jax.__version__}: JAX registers them with a {platform} backend only when one starts, "
+                        f"and a compile-only topology never starts one. Compile for the cpu target, or on a "
+                        f"machine with the GPU, or drop the transforms")
 
 
 @contextlib.contextmanager
-def _hlo_transforms(program: TrainProgram):
+def _hlo_transforms(program: TrainProgram, platform: str):
     from jax.extend import xla as jex_xla
 
+    stages = {"pre-scheduler": jex_xla.PipelineStage.PRE_SCHEDULER,
+              "post-scheduler": jex_xla.PipelineStage.POST_SCHEDULER}
     registered = []
     try:
         for t in program.hlo_transforms:
-            stage = jex_xla.PipelineStage.POST_SCHEDULER if t.post_scheduler else jex_xla.PipelineStage.PRE_SCHEDULER
-            jex_xla.register_hlo_module_transformation(t.callback, name=t.name, stage=stage)
-            registered.append((t.name, stage))
+            stage = stages[t.stage]
+            jex_xla.register_hlo_module_transformation(t.rewrite, name=t.registered_name, stage=stage,
+                                                       platforms=[platform])
+            registered.append((t.registered_name, stage))
         yield
     finally:
         for name, stage in registered:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec
@@ -20,7 +21,7 @@ from xlaopt.models import cosmos3, decoder, flops, objective
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str
-    module: Callable  # (config, dtype) -> flax module
+    module: Callable  # (config, ExecutionConfig) -> flax module
     batch_spec: Callable  # (config, BatchShape) -> {name: (shape, dtype, logical axes)}
     loss: Callable  # (module, params, batch, key) -> (loss, metrics)
     train_flops: Callable  # (config, host batch) -> model FLOPs of one training step
@@ -35,10 +36,18 @@ class Family:
 # Cosmos 3 rows of 160 tokens: two of the synthetic mix's largest clips (48 latent tokens) fit
 # one row's generator budget, so packing stays under 1% padding (144-token rows: up to 2.7%
 # over 40 batches).
+def _module(cls):
+    """The family's flax module with the parts of the execution config a model takes."""
+    def build(config, execution):
+        return cls(config, jnp.dtype(execution.compute_dtype), stack=execution.stack,
+                   attention=execution.attention_spec)
+    return build
+
+
 FAMILIES = {
-    "cosmos3": Family("cosmos3", cosmos3.Cosmos3, cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
+    "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), BatchShape(8, 56, 104)),
-    "decoder": Family("decoder", decoder.Decoder, decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
+    "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), BatchShape(8, 128, 0)),
 }
 

@@ -1,18 +1,21 @@
 """Passes and the one ordered pipeline.
 
-A pass has a stable kebab-case `name`, a one-line `summary`, and
-`run(program) -> PassResult(program, changed, report)`; it never mutates its input.
-The pipeline checks between passes that `changed` is honest (equal to `new != old`),
-can dump the lowered and compiled HLO after each pass, and names the failing pass and
-the ones that ran before it when something goes wrong.
+A pass is a frozen dataclass with a stable kebab-case `name`, a one-line `summary`, its
+options as fields, and `run(program, ctx) -> PassResult(program, changed, report)`; it never
+mutates its input. `ctx` (`xlaopt.context.PassContext`) carries the target, the topology and
+a cache. The pipeline checks between passes that `changed` is honest (equal to
+`new != old`), can dump the lowered and compiled HLO after each pass, and names the failing
+pass and the ones that ran before it when something goes wrong.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import pathlib
 import re
-from typing import Any, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, get_type_hints
 
+from xlaopt.context import PassContext
 from xlaopt.errors import UserError
 from xlaopt.program import TrainProgram
 
@@ -30,7 +33,7 @@ class Pass(Protocol):
     name: str
     summary: str
 
-    def run(self, program: TrainProgram) -> PassResult: ...
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult: ...
 
 
 class PipelineError(RuntimeError):
@@ -45,11 +48,55 @@ class PassRecord:
     dumped: tuple[str, ...] = ()
 
 
-def pipeline() -> tuple[Pass, ...]:
+def pass_classes() -> tuple[type, ...]:
     """The one ordered pipeline. Later passes (layout planning, overlap, precision) go here."""
     from xlaopt.passes.mesh_layout import MeshLayout
 
-    return (MeshLayout(),)
+    return (MeshLayout,)
+
+
+def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pass, ...]:
+    """The pipeline's passes, each built with its options (`{pass name: {field: value}}`)."""
+    options = dict(options or {})
+    classes = {cls.name: cls for cls in pass_classes()}
+    for name in options:
+        if name not in classes:
+            raise UserError(f"options for unknown pass {name!r}; passes are: {', '.join(classes)}")
+    return tuple(cls(**options.get(name, {})) for name, cls in classes.items())
+
+
+def parse_pass_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`pass.field=value` strings (the CLI's `--pass-option`), typed by the pass's fields."""
+    classes = {cls.name: cls for cls in pass_classes()}
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        target, sep, raw = item.partition("=")
+        name, dot, field = target.strip().rpartition(".")
+        if not sep or not dot:
+            raise UserError(f"--pass-option {item!r}: expected PASS.FIELD=VALUE, e.g. "
+                            f"--pass-option mesh-layout.constrain_activations=false")
+        if name not in classes:
+            raise UserError(f"--pass-option {item!r}: unknown pass {name!r}; passes are: {', '.join(classes)}")
+        fields = {f.name: get_type_hints(classes[name])[f.name] for f in dataclasses.fields(classes[name])
+                  if f.init and f.name not in ("name", "summary")}
+        if field not in fields:
+            close = difflib.get_close_matches(field, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"--pass-option {item!r}: {name} has no option {field!r}{hint}; options: "
+                            f"{', '.join(fields) or '(none)'}")
+        out.setdefault(name, {})[field] = _typed(item, raw.strip(), fields[field])
+    return out
+
+
+def _typed(item: str, raw: str, kind: type) -> Any:
+    if kind is bool:
+        if raw.lower() not in ("true", "false"):
+            raise UserError(f"--pass-option {item!r}: expected true or false")
+        return raw.lower() == "true"
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise UserError(f"--pass-option {item!r}: not a valid {getattr(kind, '__name__', kind)}") from None
 
 
 def select_passes(passes: Sequence[Pass], only: Sequence[str] | None = None,
@@ -64,8 +111,11 @@ def select_passes(passes: Sequence[Pass], only: Sequence[str] | None = None,
     return tuple(chosen)
 
 
-def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | pathlib.Path | None = None
-                 ) -> tuple[TrainProgram, list[PassRecord]]:
+def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | pathlib.Path | None = None,
+                 ctx: PassContext | None = None) -> tuple[TrainProgram, list[PassRecord]]:
+    ctx = ctx or PassContext.for_program(program)
+    if ctx.target != program.target:
+        raise UserError(f"the pipeline runs for target {ctx.target} but the program is built for {program.target}")
     records: list[PassRecord] = []
     if dump_dir is not None:
         _dump(program, pathlib.Path(dump_dir), 0, "input")
@@ -74,11 +124,14 @@ def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | 
             raise PipelineError(f"pass name {p.name!r} is not kebab-case")
         ran = ", ".join(r.name for r in records) or "none"
         try:
-            result = p.run(program)
+            result = p.run(program, ctx)
         except UserError as e:
             raise type(e)(f"{p.name}: {e}") from e
         except Exception as e:
             raise PipelineError(f"pass {p.name!r} failed (passes run before it: {ran}): {e}") from e
+        if result.program.target != ctx.target:
+            raise PipelineError(f"pass {p.name!r} changed the target to {result.program.target} (passes run "
+                                f"before it: {ran}); the target is the pipeline's, not a pass's")
         actually_changed = result.program != program
         if result.changed != actually_changed:
             raise PipelineError(f"pass {p.name!r} reported changed={result.changed} but the program "

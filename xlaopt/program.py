@@ -1,25 +1,30 @@
 """The training program every pass reads and rewrites.
 
-A `TrainProgram` is a frozen, comparable description, not compiled code: passes return
-a new one (so `changed` is simply `new != old`), and `xlaopt.compile` turns it into
-jitted functions. It has room for the three levels passes work at:
-  - program spec: model config, mesh, rule table, shardings, settings;
-  - traced function: `grad_transforms`, applied in order to the gradient function
-    (shard_map rewrites, collective reordering);
-  - compiled HLO: `compiler_options` and `hlo_transforms` (callbacks registered with
-    `jax.extend.xla.register_hlo_module_transformation` for the program's compilation).
+A `TrainProgram` is a frozen, hashable description, not compiled code: passes return a new
+one (so `changed` is simply `new != old`, and a planner can cache prices by program), and
+`xlaopt.compile` turns it into jitted functions. It has room for the levels passes work at:
+  - what is trained: model config, optimizer and batch settings (a resume must match these);
+  - how it executes: the execution config (precision, remat, attention, layer stack,
+    micro-batches) and the target compiler (cpu or gpu); a resume accepts any of these;
+  - the layout: mesh, rule table, shardings;
+  - traced function: `grad_transforms`, applied in order to the gradient function;
+  - compiled HLO: `compiler_options` and `hlo_transforms` (see `xlaopt.transforms`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec
 
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
+from xlaopt.execution import TARGETS, ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.sharding import DEFAULT_RULES, Rule, validate_rules
-
-DTYPES = ("bfloat16", "float32")
+from xlaopt.transforms import GradTransform, HloTransform
+from xlaopt.transforms.compiler_options import CompilerOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +36,7 @@ class TrainSettings:
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    compute_dtype: str = "bfloat16"
     seed: int = 0
-
-    def __post_init__(self):
-        if self.compute_dtype not in DTYPES:
-            raise UserError(f"compute dtype {self.compute_dtype!r}; use one of {', '.join(DTYPES)}")
 
 
 class TrainState(NamedTuple):
@@ -48,25 +48,25 @@ class TrainState(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ProgramShardings:
     """Mesh PartitionSpecs for the train state and batch, and whether activations are
-    constrained by the rule table while the model is traced."""
-    state: TrainState
-    batch: dict
+    constrained by the rule table while the model is traced. Held flat (a tree structure and
+    its leaves, batch specs as sorted pairs) so that a program hashes and compares by value."""
+    state_treedef: Any  # jax PyTreeDef of the TrainState of specs
+    state_leaves: tuple[PartitionSpec, ...]
+    batch_items: tuple[tuple[str, PartitionSpec], ...]
     constrain_activations: bool = True
 
+    @classmethod
+    def of(cls, state: TrainState, batch: dict[str, PartitionSpec], constrain_activations: bool = True):
+        leaves, treedef = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        return cls(treedef, tuple(leaves), tuple(sorted(batch.items())), constrain_activations)
 
-@dataclasses.dataclass(frozen=True)
-class NamedTransform:
-    """A traced-function rewrite: `fn(grad_fn) -> grad_fn`, named for reports and dumps."""
-    name: str
-    fn: Callable
+    @property
+    def state(self) -> TrainState:
+        return jax.tree.unflatten(self.state_treedef, self.state_leaves)
 
-
-@dataclasses.dataclass(frozen=True)
-class HloTransform:
-    """A compiled-HLO rewrite: `callback(serialized HloModuleProto) -> bytes | None`."""
-    name: str
-    callback: Callable[[bytes], bytes | None]
-    post_scheduler: bool = False
+    @property
+    def batch(self) -> dict[str, PartitionSpec]:
+        return dict(self.batch_items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +75,27 @@ class TrainProgram:
     mesh: MeshSpec = MeshSpec()
     rules: tuple[Rule, ...] = DEFAULT_RULES
     settings: TrainSettings = TrainSettings()
+    execution: ExecutionConfig = ExecutionConfig()
+    target: str = "cpu"  # the compiler the program is built for: XLA's CPU or (deviceless) GPU pipeline
     shardings: ProgramShardings | None = None  # None: replicated everywhere (no layout applied)
-    grad_transforms: tuple[NamedTransform, ...] = ()
-    compiler_options: tuple[tuple[str, str], ...] = ()
+    grad_transforms: tuple[GradTransform, ...] = ()
+    compiler_options: CompilerOptions = CompilerOptions()
     hlo_transforms: tuple[HloTransform, ...] = ()
 
     def __post_init__(self):
         validate_rules(self.rules)
+        if self.target not in TARGETS:
+            raise UserError(f"target {self.target!r}; use one of {', '.join(TARGETS)}")
+        if not isinstance(self.compiler_options, CompilerOptions):
+            object.__setattr__(self, "compiler_options", CompilerOptions(self.compiler_options))
+        self.compiler_options.check_target(self.target)
+        self.execution.check_batch(self.settings.batch.batch_size)
+        for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
+                                       ("HLO", self.hlo_transforms, HloTransform)):
+            for t in transforms:
+                if not isinstance(t, base):
+                    raise TypeError(f"{kind} transform {t!r} is not a {base.__name__} (a frozen dataclass "
+                                    f"compared by value)")
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)

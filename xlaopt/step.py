@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AbstractMesh, AxisType
 
 from xlaopt.families import family_of
+from xlaopt.mesh import MESH_AXES
 from xlaopt.models.layers import activation_constraint
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 
@@ -23,7 +25,7 @@ def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
 
 
 def make_model(program: TrainProgram):
-    return family_of(program.model).module(program.model, dtype=jnp.dtype(program.settings.compute_dtype))
+    return family_of(program.model).module(program.model, program.execution)
 
 
 def batch_spec(program: TrainProgram) -> dict:
@@ -46,10 +48,37 @@ def base_grad_fn(program: TrainProgram):
     return grad_fn
 
 
+def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
+    """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
+    activation memory of one slice), returning the mean loss, metrics and gradients. Each
+    slice's loss is its own per-token mean, so the result weighs slices equally."""
+    if micro_batches == 1:
+        return grad_fn
+
+    def split(name, x):
+        axis = axes[name].index("batch")
+        x = jnp.moveaxis(x, axis, 0)
+        return jnp.moveaxis(x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:]), 1, axis + 1)
+
+    def accumulated(params, batch, key):
+        slices = {name: split(name, x) for name, x in batch.items()}
+        one = lambda i: grad_fn(params, {name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))
+
+        def body(total, i):
+            return jax.tree.map(jnp.add, total, one(i)), None
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
+        total, _ = jax.lax.scan(body, zeros, jnp.arange(micro_batches))
+        return jax.tree.map(lambda t: t / micro_batches, total)
+
+    return accumulated
+
+
 def build_grad_fn(program: TrainProgram):
-    fn = base_grad_fn(program)
+    axes = {name: spec[2] for name, spec in batch_spec(program).items()}
+    fn = accumulate(base_grad_fn(program), program.execution.micro_batches, axes)
     for transform in program.grad_transforms:
-        fn = transform.fn(fn)
+        fn = transform.apply(fn)
     return fn
 
 
@@ -85,8 +114,9 @@ def _abstract_boxed_params(program: TrainProgram):
 
 def abstract_params_with_axes(program: TrainProgram):
     """(abstract params, logical PartitionSpec tree), built with jax.eval_shape: no allocation."""
-    # Parameters depend on the model and dtype only; key the cache on those.
-    boxed = _abstract_boxed_params(TrainProgram(program.model, settings=program.settings))
+    # Parameters depend on the model, batch shape and execution only; key the cache on those.
+    boxed = _abstract_boxed_params(TrainProgram(program.model, settings=TrainSettings(program.settings.batch),
+                                                execution=program.execution))
     return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
 
 
@@ -109,6 +139,9 @@ def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...],
         return x
 
     params, _ = abstract_params_with_axes(program)
-    with activation_constraint(record):
+    # The program's mesh, abstractly (no devices needed), as when it is compiled: a rewrite that
+    # traces shard_map finds its axes here too.
+    mesh = AbstractMesh(program.mesh.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    with activation_constraint(record), jax.sharding.use_abstract_mesh(mesh):
         jax.eval_shape(build_grad_fn(program), params, abstract_batch(program), jax.random.key(0))
     return list(seen)

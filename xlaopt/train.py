@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -14,6 +15,7 @@ from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
+from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.hardware import mesh_peak
 from xlaopt.progress import ProgressBar
@@ -42,17 +44,22 @@ class CheckpointOptions:
 
 
 def _run_meta(program: TrainProgram, loader) -> dict:
+    # `execution` is a record of how the run executed; a resume never compares it.
     return {"model": program.model.name, "config": dataclasses.asdict(program.model),
             "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
+            "execution": dataclasses.asdict(program.execution),
             "data": loader.state().to_json() if loader is not None else None}
 
 
 def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
+    """Refuse a checkpoint of another model or other data; any execution config is fine."""
     now = _run_meta(program, None)
     config = json.loads(json.dumps(now["config"]))  # tuples -> lists, as saved
     # A field added since the checkpoint was saved ran at its default (new fields keep old behaviour).
     defaults = {f.name: f.default for f in dataclasses.fields(program.model) if f.default is not dataclasses.MISSING}
-    saved = json.loads(json.dumps(defaults)) | meta["config"]
+    # Checkpoints saved before execution settings left the model config carry them there.
+    saved_model = {k: v for k, v in meta["config"].items() if k not in _FORMER_MODEL_FIELDS}
+    saved = json.loads(json.dumps(defaults)) | saved_model
     fields = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
     if meta["model"] != now["model"] or fields:
         diff = ", ".join(f"{k}: saved {saved.get(k)!r}, now {config.get(k)!r}" for k in fields[:8])
@@ -64,6 +71,10 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
                                   f"resume needs the same {key}")
 
 
+# Fields that were model-config fields before they became execution settings.
+_FORMER_MODEL_FIELDS = ("remat", "attention_block", "attention")
+
+
 def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None,
           ckpt: CheckpointOptions | None = None, skip_oversize: bool = False) -> dict:
     """Train up to step `steps` on a sample store (`data_dir`, Cosmos 3) or on the family's
@@ -73,83 +84,132 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     `step_time_s` the time from having it to the loss being on the host (transfer and
     compute). Rates and MFU use steps after the first (its time includes warm-up).
     With `ckpt`, the state and the data position are saved asynchronously; a resumed run
-    sees exactly the batches an uninterrupted one would.
+    sees exactly the batches an uninterrupted one would. The loader and the checkpoint
+    manager are closed however the run ends, a step that raises included.
     """
-    manager = resumed = meta = None
-    if ckpt is not None:
-        manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
-        resumed = manager.latest() if ckpt.resume else None
-        if resumed is not None:  # a checkpoint of another run is refused before compiling
-            meta = manager.manifest(resumed)["meta"]
-            _check_same_run(meta, program, ckpt.directory)
-    compiled = compile_program(program)
-    loader = None
-    if data_dir is not None:  # before compiling: a store the batch cannot hold fails fast, and reading starts
-        loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
-        loader = Loader(SampleStore(data_dir), program.model, program.settings.batch, seed=program.settings.seed,
-                        state=loader_state, rows=compiled.local_rows, skip_oversize=skip_oversize)
-    t0 = time.perf_counter()
-    compiled.train_step  # compile before the clock starts
-    compile_s = time.perf_counter() - t0
-    key = jax.random.key(program.settings.seed)
-    if resumed is None:
-        state = compiled.init(jax.random.fold_in(key, 0))
-    else:
-        state, _, _ = manager.restore(compiled.abstract_state, step=resumed)
-    start = int(state.step)
-    if start >= steps:
-        manager.close()
-        if loader is not None:
-            loader.close()
-        return {"model": program.model.name, "steps": [], "resumed_from": start,
-                "message": f"{ckpt.directory} is at step {start}; nothing to do for --steps {steps}"}
-    if loader is not None:
-        batches = (_counted(program, next(loader)) for _ in range(start, steps))
-    else:
-        data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
-        batches = prefetch(lambda i: _counted(program, compiled.local_part(data.batch(start + i))), steps - start)
-    bar = ProgressBar(steps - start) if progress else None
-    records, flops, tokens, saves = [], [], [], []
-    for step in range(start, steps):
-        t_wait = time.perf_counter()
-        batch, n_tokens, n_flops = next(batches)
-        t_step = time.perf_counter()
-        state, metrics = compiled.train_step(state, compiled.put_batch(batch), key)
-        metrics = {k: float(v) for k, v in metrics.items()}
-        t_end = time.perf_counter()
-        records.append({"step": step, "loss": metrics["loss"], "step_time_s": t_end - t_step,
-                        "data_wait_s": t_step - t_wait,
-                        **{k: v for k, v in metrics.items() if k != "loss"}})
-        flops.append(n_flops)
-        tokens.append(n_tokens)
-        if loader is not None:
-            loader.size_window(t_end - t_step)
-        if manager is not None and ckpt.due(step + 1, steps):
-            info = manager.save(step + 1, state, _run_meta(program, loader))
-            saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
-        if bar:
-            bar.update(step + 1 - start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
+    if program.execution.attention == "io_only":
+        raise UserError("execution setting attention=io_only is a pricing stand-in that computes wrong values; "
+                        "train with attention=dense or blockwise")
+    run = _Run(program, ckpt)
+    try:
+        run.setup(data_dir, skip_oversize)
+        if run.start >= steps:
+            run.close()
+            return {"model": program.model.name, "steps": [], "resumed_from": run.start,
+                    "message": f"{ckpt.directory} is at step {run.start}; nothing to do for --steps {steps}"}
+        records, tokens, flops, saves = run.loop(steps, progress)
+        run.close()
+    except BaseException:
+        run.close(failed=True)
+        raise
+    return _summary(run, data_dir, records, tokens, flops, saves)
 
-    if loader is not None:
-        loader.close()
-    if manager is not None:
-        manager.close()
+
+class _Run:
+    """One training run's parts: the compiled program, its data, its checkpoints, its state."""
+
+    def __init__(self, program: TrainProgram, ckpt: CheckpointOptions | None):
+        self.program, self.ckpt = program, ckpt
+        self.manager = self.loader = self.resumed = None
+        self.meta: dict | None = None
+        self._closed = False
+        if ckpt is not None:
+            self.manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
+            self.resumed = self.manager.latest() if ckpt.resume else None
+            if self.resumed is not None:  # a checkpoint of another run is refused before compiling
+                self.meta = self.manager.manifest(self.resumed)["meta"]
+                _check_same_run(self.meta, program, ckpt.directory)
+
+    def setup(self, data_dir: str | None, skip_oversize: bool) -> None:
+        program, meta = self.program, self.meta
+        self.compiled = compiled = compile_program(program)
+        if data_dir is not None:  # before compiling: a store the batch cannot hold fails fast, and reading starts
+            loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
+            self.loader = Loader(SampleStore(data_dir), program.model, program.settings.batch,
+                                 seed=program.settings.seed, state=loader_state, rows=compiled.local_rows,
+                                 skip_oversize=skip_oversize)
+        t0 = time.perf_counter()
+        compiled.train_step  # noqa: B018 (compile before the clock starts)
+        self.compile_s = time.perf_counter() - t0
+        self.key = jax.random.key(program.settings.seed)
+        if self.resumed is None:
+            self.state = compiled.init(jax.random.fold_in(self.key, 0))
+        else:
+            self.state, _, _ = self.manager.restore(compiled.abstract_state, step=self.resumed)
+        self.start = int(self.state.step)
+
+    def _batches(self, steps: int):
+        program, compiled, start = self.program, self.compiled, self.start
+        if self.loader is not None:
+            return (_counted(program, next(self.loader)) for _ in range(start, steps))
+        data = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed)
+        return prefetch(lambda i: _counted(program, compiled.local_part(data.batch(start + i))), steps - start)
+
+    def loop(self, steps: int, progress: bool):
+        compiled, loader, manager = self.compiled, self.loader, self.manager
+        batches = self._batches(steps)
+        bar = ProgressBar(steps - self.start) if progress else None
+        records, flops, tokens, saves = [], [], [], []
+        for step in range(self.start, steps):
+            t_wait = time.perf_counter()
+            batch, n_tokens, n_flops = next(batches)
+            t_step = time.perf_counter()
+            self.state, metrics = compiled.train_step(self.state, compiled.put_batch(batch), self.key)
+            metrics = {k: float(v) for k, v in metrics.items()}
+            t_end = time.perf_counter()
+            records.append({"step": step, "loss": metrics["loss"], "step_time_s": t_end - t_step,
+                            "data_wait_s": t_step - t_wait,
+                            **{k: v for k, v in metrics.items() if k != "loss"}})
+            flops.append(n_flops)
+            tokens.append(n_tokens)
+            if loader is not None:
+                loader.size_window(t_end - t_step)
+            if manager is not None and self.ckpt.due(step + 1, steps):
+                info = manager.save(step + 1, self.state, _run_meta(self.program, loader))
+                saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
+            if bar:
+                bar.update(step + 1 - self.start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
+        return records, tokens, flops, saves
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the loader's reads and finish pending saves (so the last good checkpoint commits).
+        After a failure the manager's closing barrier is skipped: peers may be gone."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.loader is not None:
+            self.loader.close()
+        if self.manager is None:
+            return
+        if not failed:
+            self.manager.close()
+            return
+        try:
+            self.manager.wait()
+        except Exception as e:  # the step's error is the one to raise; say this one too
+            print(f"xlaopt train: the checkpoint save in flight also failed: {e}", file=sys.stderr)
+
+
+def _summary(run: _Run, data_dir: str | None, records: list, tokens: list, flops: list, saves: list) -> dict:
+    program, compiled, loader, ckpt = run.program, run.compiled, run.loader, run.ckpt
     rows = compiled.local_rows
     tokens, flops = _job_totals(tokens, flops, len(rows) / program.settings.batch.batch_size)
     for record, n in zip(records, tokens):
         record["tokens"] = n
     timed = records[1:] or records
     busy = sum(r["step_time_s"] + r["data_wait_s"] for r in timed)
-    peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), program.settings.compute_dtype)
+    dtype = program.execution.compute_dtype
+    peak = mesh_peak(compiled.mesh.devices.ravel().tolist(), dtype)
     model_flops = float(np.mean(flops))
     head, tail = [r["loss"] for r in records[:5]], [r["loss"] for r in records[-5:]]
     return {
         "model": program.model.name,
         "param_count": param_count(program),
         "mesh": program.mesh.as_dict(),
-        "compute_dtype": program.settings.compute_dtype,
+        "compute_dtype": dtype,
+        "execution": dataclasses.asdict(program.execution),
         "batch": dataclasses.asdict(program.settings.batch),
-        "compile_s": compile_s,
+        "compile_s": run.compile_s,
         "steps": records,
         "loss_first5_mean": statistics.fmean(head),
         "loss_last5_mean": statistics.fmean(tail),
@@ -164,8 +224,8 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
         "mfu": sum(flops[1:] or flops) / busy / peak.flops_per_s,
         "peak_flops_per_s": peak.flops_per_s,
         "peak_source": peak.source,
-        "checkpoint": ({"dir": ckpt.directory, "resumed_from": resumed, "saves": saves,
-                        "committed": manager.steps()} if ckpt is not None else None),
+        "checkpoint": ({"dir": ckpt.directory, "resumed_from": run.resumed, "saves": saves,
+                        "committed": run.manager.steps()} if ckpt is not None else None),
     }
 
 

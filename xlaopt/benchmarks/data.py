@@ -251,7 +251,7 @@ def _compiled_program(shape: BatchShape, model: str, mesh: str, settings: dict, 
     request_cpu_devices(spec.num_devices)
     make_mesh(spec)
     program = TrainProgram(get_config(model, settings), spec,
-                           settings=TrainSettings(batch=shape, compute_dtype="bfloat16", seed=seed))
+                           settings=TrainSettings(batch=shape, seed=seed))
     program, _ = run_pipeline(program, pipeline(), None)
     compiled = compile_program(program)
     compiled.train_step  # compile now, outside every timed region

@@ -310,6 +310,6 @@ def forward(params, config: Cosmos3Config, settings: ReferenceSettings, kw: dict
     """xlaopt's predictions for one reference-style sample, in the reference's layout:
     {"vision": [[1, C, T, H, W], ...], "sound": [[C, T], ...] | None, "action": [[T, A], ...] | None}."""
     batch, x = sample_to_batch(kw, config, settings)
-    model = Cosmos3(config, jnp.dtype(dtype), rope_inv_freq)
+    model = Cosmos3(config, jnp.dtype(dtype), rope_inv_freq=rope_inv_freq)
     _, pred_BVC = jax.jit(lambda p, b, g: model.apply({"params": p}, b, g))(params, batch, x)
     return predictions_to_reference(np.asarray(pred_BVC[0], np.float32), kw, config)

@@ -1,0 +1,100 @@
+"""How a homogeneous stack of layers runs: the seam between the model ("these layers, in
+order") and the execution config ("run them this way"), which passes may rewrite.
+
+`LayerStack` holds one layer module's parameters stacked along a leading `layers` axis, the
+same tree whatever the strategy (so a checkpoint, a layout or an imported weight file fits
+every strategy), and hands a strategy a pure function `layer_fn(params_i, carry, *args) ->
+carry` with the stacked parameters. A strategy is a plain function registered by name in
+`STRATEGIES`:
+  scan      one `lax.scan` over the stacked parameters: compile time independent of depth;
+  unrolled  one call per layer, so XLA schedules each layer on its own (and a pass can see
+            layer i's weights apart from layer i+1's).
+A recomputation policy (`REMAT_POLICIES`) wraps `layer_fn` in `jax.checkpoint`; each name maps
+to one `jax.checkpoint_policies` entry here and nowhere else.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+
+# "none": keep every activation; "full": keep only each layer's input, recompute the rest in
+# the backward pass; "dots": keep matmul outputs, recompute elementwise work;
+# "dots_no_batch": keep only matmuls without batch dimensions (weights x activations).
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+LayerFn = Callable[..., Any]  # (params_i, carry, *args) -> carry
+
+
+def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
+    def body(c, params_i):
+        return layer_fn(params_i, c, *args), None
+
+    carry, _ = jax.lax.scan(body, carry, params_L)
+    return carry
+
+
+def unrolled_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
+    depth = jax.tree.leaves(params_L)[0].shape[0]
+    for i in range(depth):
+        carry = layer_fn(jax.tree.map(lambda a, i=i: a[i], params_L), carry, *args)
+    return carry
+
+
+STRATEGIES: dict[str, Callable] = {"scan": scan_layers, "unrolled": unrolled_layers}
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSpec:
+    strategy: str = "scan"
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"layer stack {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
+
+    def wrap(self, layer_fn: LayerFn) -> LayerFn:
+        if self.remat == "none":
+            return layer_fn
+        # Under scan the loop boundary already stops XLA from merging the recomputation into
+        # the forward pass; unrolled layers need the CSE barrier.
+        return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.remat], prevent_cse=self.strategy != "scan")
+
+
+class LayerStack(nn.Module):
+    """`length` copies of `layer_cls(**layer_fields)`, each called as `layer(carry, *args) -> carry`
+    with its own parameters, run as `spec` says."""
+    layer_cls: type
+    layer_fields: dict
+    length: int
+    spec: StackSpec = StackSpec()
+
+    def _layer(self) -> nn.Module:
+        return self.layer_cls(**self.layer_fields, parent=None)  # detached: its params live here, stacked
+
+    @nn.compact
+    def __call__(self, carry, *args):
+        layer = self._layer()
+        if self.is_initializing():
+            keys = jax.random.split(self.make_rng("params"), self.length)
+            stacked = jax.vmap(lambda key: layer.init(key, carry, *args)["params"])(keys)
+            # The new leading axis is named `layers` in each parameter's logical axes.
+            stacked = jax.tree.map(lambda box: box.add_axis(0, {nn.PARTITION_NAME: "layers"}), stacked,
+                                   is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+            for name, subtree in stacked.items():
+                self.param(name, lambda _, tree=subtree: tree)
+        params_L = nn.meta.unbox(dict(self.variables["params"]))
+
+        def layer_fn(params_i, c, *a):
+            return layer.apply({"params": params_i}, c, *a)
+
+        return STRATEGIES[self.spec.strategy](self.spec.wrap(layer_fn), params_L, carry, args)

@@ -1,0 +1,55 @@
+"""What a pass knows besides the program: the cluster, the target compiler, and a cache.
+
+The cache holds what depends only on the model and its settings (abstract parameters and
+state, the activations the model constrains), so a pipeline, or a planner pricing hundreds of
+layouts of one model, traces the model once per distinct key instead of once per pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from xlaopt.program import TrainProgram
+
+
+class ProgramCache:
+    def __init__(self):
+        self._memo: dict[tuple, Any] = {}
+        self.misses = 0
+
+    def _get(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self.misses += 1
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def params_with_axes(self, program: TrainProgram):
+        """(abstract params, logical PartitionSpec tree)."""
+        from xlaopt import step
+
+        key = ("params", program.model, program.settings.batch, program.execution)
+        return self._get(key, lambda: step.abstract_params_with_axes(program))
+
+    def abstract_state(self, program: TrainProgram):
+        from xlaopt import step
+
+        key = ("state", program.model, program.settings, program.execution)
+        return self._get(key, lambda: step.abstract_state(program))
+
+    def activation_axes(self, program: TrainProgram) -> list:
+        """(shape, logical axes) of every activation the traced gradient function constrains."""
+        from xlaopt import step
+
+        key = ("activations", program.model, program.settings, program.execution, program.grad_transforms)
+        return self._get(key, lambda: step.traced_activation_axes(program))
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    target: str = "cpu"
+    topology: Any = None  # a cluster topology (xlaopt.analysis.topology.Topology), when one is known
+    cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, compare=False)
+
+    @classmethod
+    def for_program(cls, program: TrainProgram, topology: Any = None) -> "PassContext":
+        return cls(program.target, topology)

@@ -1,0 +1,51 @@
+"""Rewrites a program carries into tracing and compilation, compared by value.
+
+A transform is a frozen dataclass: its class names the rewrite and its fields are the
+rewrite's parameters, so two transforms built separately from the same parameters are equal
+and hash alike, and a pass that builds its transform again leaves the program unchanged.
+  - `GradTransform.apply(grad_fn) -> grad_fn`: a traced-function rewrite (shard_map,
+    collective reordering), applied in order to the gradient function;
+  - `HloTransform.rewrite(module_proto) -> bytes | None`: a compiled-HLO rewrite, run by XLA
+    before or after its scheduler (`jax.extend.xla.register_hlo_module_transformation`).
+Compiler options are `CompilerOptions` (`compiler_options.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+from typing import Callable, ClassVar
+
+STAGES = ("pre-scheduler", "post-scheduler")
+
+
+@dataclasses.dataclass(frozen=True)
+class GradTransform:
+    name: ClassVar[str] = ""
+
+    def apply(self, grad_fn: Callable) -> Callable:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HloTransform:
+    name: ClassVar[str] = ""
+    stage: str = "pre-scheduler"
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"{type(self).__name__}: stage {self.stage!r}; use one of {', '.join(STAGES)}")
+
+    def rewrite(self, module_proto: bytes) -> bytes | None:
+        """A serialized HloModuleProto in; the rewritten one out, or None when nothing changed."""
+        raise NotImplementedError
+
+    @property
+    def registered_name(self) -> str:
+        return f"{self.name}-{self.fingerprint()[:12]}"
+
+    def fingerprint(self) -> str:
+        """Changes with the parameters and with the rewrite's code, so an executable compiled
+        under this transform is never mistaken for one compiled under another."""
+        source = inspect.getsource(type(self))
+        return hashlib.sha256(f"{type(self).__qualname__}|{self!r}|{source}".encode()).hexdigest()
