@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from xlaopt.errors import UserError
@@ -151,8 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The device nodes JAX's own check looks for (jax._src.hardware_utils.has_visible_nvidia_gpu, 0.10.2).
+_NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def _choose_platform() -> None:
+    """Run JAX on the CPU when no platform was chosen and no NVIDIA GPU is visible.
+
+    With the gpu-aot extra installed, JAX's first backend start imports the CUDA plugin and calls
+    its initialize(); when jax_platforms is unset that checks the CUDA runtime, fails on a machine
+    without a driver, and JAX logs "Jax plugin configuration error" with a traceback before falling
+    back to the CPU. With `cpu` chosen up front the plugin skips that check and still registers,
+    so `analyze --target gpu` keeps its compile-only GPU topology. JAX_PLATFORMS set by the user
+    (even empty), a visible GPU, or JAX already imported by the caller (tests, a notebook) leave
+    the choice alone. The variable is inherited by the processes a command starts, which run on
+    the same CPU.
+    """
+    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules:
+        return
+    if not any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
+        os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX when it is imported
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _choose_platform()
     try:
         return _COMMANDS[args.command](args)
     except UserError as e:
