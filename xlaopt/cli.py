@@ -458,6 +458,9 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from xlaopt.benchmarks import disk
+
+    disk.allow_system_drop()  # cold reads via drop_caches where root; library callers evict per file
     if args.bench_command == "data" and args.io:
         from xlaopt.benchmarks import data_io
 
