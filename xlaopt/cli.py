@@ -164,14 +164,19 @@ def _choose_platform() -> None:
     without a driver, and JAX logs "Jax plugin configuration error" with a traceback before falling
     back to the CPU. With `cpu` chosen up front the plugin skips that check and still registers,
     so `analyze --target gpu` keeps its compile-only GPU topology. JAX_PLATFORMS set by the user
-    (even empty), a visible GPU, or JAX already imported by the caller (tests, a notebook) leave
-    the choice alone. The variable is inherited by the processes a command starts, which run on
-    the same CPU.
+    (even empty), a platform a caller gave jax.config (the tests), or a visible GPU leave the
+    choice alone. The variable is inherited by the processes a command starts, which run on the
+    same CPU.
     """
-    if "JAX_PLATFORMS" in os.environ or "jax" in sys.modules:
+    if "JAX_PLATFORMS" in os.environ or any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
         return
-    if not any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
-        os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX when it is imported
+    if "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported (not imported here: cheap commands)
+        return
+    import jax
+
+    if jax.config.jax_platforms is None:
+        jax.config.update("jax_platforms", "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
