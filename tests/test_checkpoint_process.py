@@ -9,6 +9,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from xlaopt.checkpoint import CheckpointManager
 
@@ -30,6 +31,7 @@ def _expected_and_target():
     return ckpt_worker
 
 
+@pytest.mark.slow  # thirteen worker processes in turn, each starting JAX
 def test_sigkill_at_many_points_never_loses_the_last_committed_step(tmp_path):
     root = tmp_path / "ckpt"
     committed = None  # the newest step a worker reported committed before it was killed
@@ -60,6 +62,7 @@ def test_sigkill_at_many_points_never_loses_the_last_committed_step(tmp_path):
     assert len(steps) == 2 and not [p for p in root.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow  # jax.distributed worker processes
 @needs_devices(8)
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):
     env, port = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4"), free_port()

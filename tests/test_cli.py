@@ -1,5 +1,6 @@
 """The command line: the main training job, listings, and one-line errors for bad input."""
 import json
+import os
 import subprocess
 import sys
 
@@ -67,3 +68,18 @@ def test_console_script_runs_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-m", "xlaopt.cli", "train", "--model", "nope"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("xlaopt train: error: unknown model 'nope'")
+
+
+def test_cpu_command_prints_no_cuda_plugin_traceback():
+    """With the gpu-aot extra installed and no GPU, JAX's CUDA plugin must not report a failed
+    initialisation: the CLI chooses the CPU platform before JAX starts its backends."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the CUDA plugin (xlaopt[gpu-aot]) is not installed")
+    from xlaopt.cli import _NVIDIA_DEVICE_NODES
+
+    if any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
+        pytest.skip("an NVIDIA GPU is visible: the CLI leaves the platform to JAX")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the CLI's own choice
+    done = subprocess.run([sys.executable, "-m", "xlaopt.cli", "verify", "--model", "cosmos3-tiny", "--set",
+                           "num_layers=1", "--mesh", "data=2"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "plugin configuration error" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-4000:]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from xlaopt.checkpoint import CheckpointManager
 from xlaopt.data.batch import cosmos3_batch_spec
@@ -72,6 +73,7 @@ def _assert_batches_equal(got: dict, want: dict, what: str) -> None:
         np.testing.assert_array_equal(got[name], want[name], err_msg=f"{what}: {name}")
 
 
+@pytest.mark.slow  # jax.distributed worker processes
 def test_two_processes_stop_mid_epoch_and_one_process_resumes_exactly(tmp_path):
     config = w.config()
     make_store(tmp_path / "store", config, SAMPLES, seed=3, shard_bytes=32 << 10)

@@ -198,6 +198,7 @@ def executed(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow  # executes the notebook in a fresh process: compiles and analyses a step
 def test_notebook_runs_and_shows_tables_timeline_and_json(executed):
     cells = executed["cells"]
     nb = json.loads(NOTEBOOK.read_text())

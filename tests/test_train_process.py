@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from xlaopt.data.synthetic_store import make_store
 from xlaopt.models.registry import get_config
@@ -30,6 +31,7 @@ def _train(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow  # three `xlaopt train` processes, two of them a jax.distributed job
 def test_two_process_training_resumes_on_one_process_exactly(tmp_path):
     store = tmp_path / "store"
     make_store(store, get_config("cosmos3-tiny"), 300, seed=1, shard_bytes=32 << 10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from xlaopt.errors import UserError
@@ -160,8 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The device nodes JAX's own check looks for (jax._src.hardware_utils.has_visible_nvidia_gpu, 0.10.2).
+_NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+
+
+def _choose_platform() -> None:
+    """Run JAX on the CPU when no platform was chosen and no NVIDIA GPU is visible.
+
+    With the gpu-aot extra installed, JAX's first backend start imports the CUDA plugin and calls
+    its initialize(); when jax_platforms is unset that checks the CUDA runtime, fails on a machine
+    without a driver, and JAX logs "Jax plugin configuration error" with a traceback before falling
+    back to the CPU. With `cpu` chosen up front the plugin skips that check and still registers,
+    so `analyze --target gpu` keeps its compile-only GPU topology. JAX_PLATFORMS set by the user
+    (even empty), a platform a caller gave jax.config (the tests), or a visible GPU leave the
+    choice alone. The variable is inherited by the processes a command starts, which run on the
+    same CPU.
+    """
+    if "JAX_PLATFORMS" in os.environ or any(os.path.exists(node) for node in _NVIDIA_DEVICE_NODES):
+        return
+    if "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # read when JAX is imported (not imported here: cheap commands)
+        return
+    import jax
+
+    if jax.config.jax_platforms is None:
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _choose_platform()
     try:
         return _COMMANDS[args.command](args)
     except UserError as e:
@@ -454,6 +483,9 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from xlaopt.benchmarks import disk
+
+    disk.allow_system_drop()  # cold reads via drop_caches where root; library callers evict per file
     if args.bench_command == "data" and args.io:
         from xlaopt.benchmarks import data_io
 
