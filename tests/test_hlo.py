@@ -8,12 +8,12 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from xlaopt.compile import compile_program
-from xlaopt.hlo import collectives, parse_replica_groups
+from xlaopt.analysis.hlo import collectives, parse_replica_groups
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.step import abstract_params_with_axes
-from xlaopt.topology import parse_topology
+from xlaopt.analysis.topology import parse_topology
 
 from conftest import needs_devices
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xlaopt.schedule import build_schedule
+from xlaopt.analysis.schedule import build_schedule
 
 # A scheduled module in the syntax `compiled.as_text()` prints: operands without types, fused
 # computations first, ENTRY last.

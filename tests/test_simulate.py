@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from xlaopt import costmodel
-from xlaopt.schedule import CollectiveInfo, Op, Schedule
-from xlaopt.simulate import collective_time_s, mfu, simulate, to_perfetto
-from xlaopt.topology import Device, LinkLevel, Topology
+from xlaopt.analysis import costmodel
+from xlaopt.analysis.schedule import CollectiveInfo, Op, Schedule
+from xlaopt.analysis.simulate import collective_time_s, mfu, simulate, to_perfetto
+from xlaopt.analysis.topology import Device, LinkLevel, Topology
 
 # 1 TFLOP/s, 1 TB/s HBM, links of 100 GB/s with no latency, every efficiency 1: round numbers.
 TOPO = Topology("toy:2x2", Device("toy", {"bfloat16": 1e12, "float32": 1e12}, 1e9, 1e12), nodes=2,

@@ -279,14 +279,14 @@ def cmd_verify(args) -> int:
 def cmd_inspect(args) -> int:
     topology = None
     if args.topology:
-        from xlaopt.topology import parse_topology
+        from xlaopt.analysis.topology import parse_topology
 
         topology = parse_topology(args.topology)
     program = _program_on_devices(args)
     if topology is not None and program.mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {program.mesh} needs {program.mesh.num_devices} devices; topology "
                         f"{topology.name} has {topology.num_devices}")
-    from xlaopt.inspection import format_report, inspect_program
+    from xlaopt.analysis.inspection import format_report, inspect_program
 
     program, passes = _apply_pipeline(args, program, args.dump_hlo)
     report = inspect_program(program, topology)
@@ -299,7 +299,7 @@ def cmd_analyze(args) -> int:
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
-    from xlaopt.topology import parse_topology
+    from xlaopt.analysis.topology import parse_topology
 
     topology = parse_topology(args.topology)
     mesh, rules = _mesh_and_rules(args)
@@ -312,7 +312,7 @@ def cmd_analyze(args) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
-    from xlaopt.analyze import analysis_batch_size, analyze, format_analysis
+    from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
 
     config = get_config(args.model, parse_overrides(args.model, args.set))
     default = family_of(config).default_batch
@@ -393,7 +393,7 @@ def cmd_import_weights(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from xlaopt.calibrate import format_table, main_calibrate
+    from xlaopt.analysis.calibrate import format_table, main_calibrate
 
     print(format_table(main_calibrate(args.runs, args.json, method=args.method)))
     return 0

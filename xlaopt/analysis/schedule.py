@@ -17,10 +17,10 @@ Each op carries:
   numbers. Elementwise arithmetic is not counted (it is memory-bound and priced by bytes);
 - bytes: memory traffic, operand + result sizes; a slice read inside a fusion (dynamic-slice of a
   parameter) counts the slice, an in-place dynamic-update-slice counts the update, not the buffer;
-- for collectives: kind, bytes in the scaling-book convention of `xlaopt.hlo`, replica groups, and
+- for collectives: kind, bytes in the scaling-book convention of `xlaopt.analysis.hlo`, replica groups, and
   `narrow_bytes`: the bytes if every operand that is a widening convert (bf16 -> f32) travelled in
   its narrow type. XLA's CPU pipeline widens bf16 collectives to f32 (a gather of a bf16 weight
-  becomes a gather of its f32 re-widening); a GPU compile moves the bf16. `xlaopt.simulate` can
+  becomes a gather of its f32 re-widening); a GPU compile moves the bf16. `xlaopt.analysis.simulate` can
   price either.
 
 `Schedule.async_windows()` lists, for every async collective, what the schedule places between
@@ -36,7 +36,7 @@ import math
 import re
 from typing import Iterator
 
-from xlaopt import hlo
+from xlaopt.analysis import hlo
 
 SYNC_KINDS = hlo.KINDS + ("collective-broadcast", "ragged-all-to-all")
 FREE_OPCODES = frozenset({
@@ -50,7 +50,7 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 @dataclasses.dataclass(frozen=True)
 class CollectiveInfo:
     kind: str  # one of SYNC_KINDS (the `-start` suffix dropped)
-    bytes: int  # per execution, scaling-book convention (see xlaopt.hlo)
+    bytes: int  # per execution, scaling-book convention (see xlaopt.analysis.hlo)
     narrow_bytes: int  # the same with widening converts undone (see module docstring)
     replica_groups: tuple[tuple[int, ...], ...]
     # All-reduce only: the fraction of its bytes whose every use keeps only this device's 1/n

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from xlaopt.compile import compile_program
 from xlaopt.families import family_of
-from xlaopt.hlo import bytes_by, collectives
+from xlaopt.analysis.hlo import bytes_by, collectives
 from xlaopt.program import TrainProgram
 
 

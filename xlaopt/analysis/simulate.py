@@ -4,7 +4,7 @@ Two streams per device, as on a GPU: compute (kernels, in schedule order) and co
 (collectives, one at a time, in the order they are issued). Every device runs the same SPMD
 program, so one device is simulated.
 
-- A compute op takes its roofline time (`xlaopt.costmodel`, `FITTED` efficiencies): the larger
+- A compute op takes its roofline time (`xlaopt.analysis.costmodel`, `FITTED` efficiencies): the larger
   of its matmuls at the dtype's peak times the size-dependent matmul efficiency, and its bytes at
   the HBM bandwidth. Elementwise work is priced by bytes only; kernel launch overheads are not
   modelled.
@@ -29,10 +29,10 @@ import bisect
 import collections
 import dataclasses
 
-from xlaopt import costmodel
-from xlaopt.hlo import group_axes
-from xlaopt.schedule import CollectiveInfo, Op, Schedule
-from xlaopt.topology import Topology
+from xlaopt.analysis import costmodel
+from xlaopt.analysis.hlo import group_axes
+from xlaopt.analysis.schedule import CollectiveInfo, Op, Schedule
+from xlaopt.analysis.topology import Topology
 
 HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float32", "f8e4m3fn": "float8",
               "f8e5m2": "float8", "s8": "float8", "u8": "float8"}

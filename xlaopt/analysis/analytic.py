@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from xlaopt import costmodel as cm
-from xlaopt.topology import Topology
+from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.topology import Topology
 
 _BF16_BYTES = 2
 # AdamW on fp32 master weights: read param, grad, m, v (16 B), write param, m, v (12 B),

@@ -14,8 +14,8 @@ Targets:
   `MAX_SIMULATED_DEVICES` (512). The CPU schedule has no async collectives: every collective is
   exposed. Its CPU-only artefacts are undone when pricing (bf16 matmuls priced at the bf16 peak,
   collectives at their bf16 bytes, all-reduce + slice priced as reduce-scatter; see
-  `xlaopt.simulate`).
-- `gpu`: compiled deviceless for the topology's GPUs (`xlaopt.gpu_aot`, the `gpu-aot` extra), any
+  `xlaopt.analysis.simulate`).
+- `gpu`: compiled deviceless for the topology's GPUs (`xlaopt.analysis.gpu_aot`, the `gpu-aot` extra), any
   mesh up to the topology's size: XLA's real GPU schedule, async collectives and what overlaps them.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from xlaopt.errors import UserError
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MESH_AXES
 from xlaopt.program import TrainProgram
-from xlaopt.topology import Topology
+from xlaopt.analysis.topology import Topology
 
 TARGETS = ("cpu", "gpu")
 
@@ -43,7 +43,7 @@ def _compiled(program: TrainProgram, topology: Topology, target: str):
     from xlaopt.compile import CompiledProgram
 
     if target == "gpu":
-        from xlaopt.gpu_aot import gpu_mesh
+        from xlaopt.analysis.gpu_aot import gpu_mesh
 
         compiled = CompiledProgram(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES))
     else:
@@ -70,10 +70,10 @@ def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trac
 def analyze_with_sim(program: TrainProgram, topology: Topology, target: str = "cpu", trace: str | None = None,
                      dump_dir: str | None = None, keep_timeline: bool = True):
     """`analyze`, also handing back the `SimResult` it priced (with its event timeline when
-    `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.notebook` draws from it."""
+    `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.analysis.notebook` draws from it."""
     from xlaopt.families import family_of
-    from xlaopt.schedule import build_schedule
-    from xlaopt.simulate import bounds, mfu, simulate, to_perfetto
+    from xlaopt.analysis.schedule import build_schedule
+    from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
 
     if target not in TARGETS:
         raise UserError(f"--target {target!r}; use one of {', '.join(TARGETS)}")
