@@ -88,7 +88,7 @@ def test_a_checkpoint_older_than_a_config_field_resumes_at_its_default():
     from xlaopt.checkpoint import CheckpointError
     from xlaopt.models.registry import get_config
     from xlaopt.program import TrainProgram
-    from xlaopt.train import _check_same_run, _run_meta
+    from xlaopt.runtime.train import _check_same_run, _run_meta
 
     program = TrainProgram(get_config("llama-tiny"))
     old = json.loads(json.dumps(_run_meta(program, None)))

@@ -12,7 +12,7 @@ from xlaopt.models.registry import ConfigError, get_config, parse_overrides
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.step import param_count
-from xlaopt.verify import compare, one_step_grads
+from xlaopt.runtime.verify import compare, one_step_grads
 
 from conftest import needs_devices
 

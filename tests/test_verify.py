@@ -7,7 +7,7 @@ from xlaopt.cli import main
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import NamedTransform, TrainProgram, TrainSettings
-from xlaopt.verify import compare, one_step_grads
+from xlaopt.runtime.verify import compare, one_step_grads
 
 from conftest import SMALL, needs_devices
 

@@ -167,7 +167,7 @@ def _program_on_devices(args):
     from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
 
-    from xlaopt import distributed
+    from xlaopt.runtime import distributed
 
     mesh, rules = _mesh_and_rules(args)
     config = get_config(args.model, parse_overrides(args.model, args.set))
@@ -236,13 +236,13 @@ def cmd_train(args) -> int:
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 step")
     program = _program_on_devices(args)
-    from xlaopt.train import format_summary, train
+    from xlaopt.runtime.train import format_summary, train
 
     ckpt = None
     if args.ckpt is not None:
         if args.ckpt_every is not None and args.ckpt_every < 1:
             raise UserError(f"--ckpt-every {args.ckpt_every}: must be a positive number of steps")
-        from xlaopt.train import CheckpointOptions
+        from xlaopt.runtime.train import CheckpointOptions
 
         ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep, args.keep_every)
     elif args.resume or args.ckpt_every is not None:
@@ -262,7 +262,7 @@ def cmd_train(args) -> int:
 
 def cmd_verify(args) -> int:
     program = _program_on_devices(args)
-    from xlaopt.verify import compare, one_step_grads
+    from xlaopt.runtime.verify import compare, one_step_grads
 
     mesh = program.mesh
     sharded, passes = _apply_pipeline(args, program, args.dump_hlo)

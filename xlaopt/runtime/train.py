@@ -16,7 +16,7 @@ from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
 from xlaopt.families import family_of
 from xlaopt.analysis.hardware import mesh_peak
-from xlaopt.progress import ProgressBar
+from xlaopt.runtime.progress import ProgressBar
 from xlaopt.program import TrainProgram
 from xlaopt.step import param_count
 
