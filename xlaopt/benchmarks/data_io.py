@@ -57,7 +57,7 @@ from typing import Callable
 import numpy as np
 
 from xlaopt.benchmarks.disk import drop_page_cache, probe_read_cold_MBps, read_files_cold_MBps
-from xlaopt.checkpoint.hostmem import aligned_empty
+from xlaopt.io.hostmem import aligned_empty
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.loader import Loader, LoaderState, Planner
 from xlaopt.data.shard_reader import PIECE_BYTES, THREADS, ShardReader

@@ -17,7 +17,7 @@ import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import PAGE, aligned_empty, open_for_reading
+from xlaopt.io.hostmem import PAGE, aligned_empty, open_for_reading
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
 from xlaopt.checkpoint.writer import chunk_coords, chunk_path
 

@@ -7,7 +7,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import host_copy
+from xlaopt.io.hostmem import host_copy
 from xlaopt.checkpoint.layout import CheckpointError, safe_part
 
 # A chunk (one file) is the unit of checksum and of partial reads: small enough that restoring

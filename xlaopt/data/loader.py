@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import BufferPool
+from xlaopt.io.hostmem import BufferPool
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.packing import fill_row, logit_normal_sigma
 from xlaopt.data.store import SampleStore

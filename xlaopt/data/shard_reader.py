@@ -1,6 +1,6 @@
 """Row ranges of the sample store's zarr3 arrays, read straight from their shard files.
 
-The store's arrays (see `xlaopt.zarr3`) are zarr3 `sharding_indexed` files: inner chunks, each
+The store's arrays (see `xlaopt.io.zarr3`) are zarr3 `sharding_indexed` files: inner chunks, each
 its little-endian bytes followed by their crc32c (or bare, their crc32c in a side array), then
 the shard index ((offset, nbytes) per inner chunk, uint64 little-endian) and its own crc32c at
 the end of the file. Reading rows is thus: the index once per file, then one positioned read
@@ -37,9 +37,10 @@ import time
 import google_crc32c
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import PAGE, BufferPool, aligned_empty, open_for_reading
+from xlaopt.io.hostmem import PAGE, BufferPool, aligned_empty, open_for_reading
 from xlaopt.errors import UserError
-from xlaopt.zarr3 import read_chunk_checksums
+from xlaopt.io.crc32c import CODECS as _CRC, chunk_crc32c
+from xlaopt.io.zarr3 import read_chunk_checksums
 
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
 PIECE_BYTES = 4 << 20  # one positioned read: large enough to stream, small enough to spread
@@ -49,7 +50,6 @@ POOL_BYTES = 512 << 20  # freed result buffers kept for reuse
 DIRECT_MIN_BYTES = 1 << 20
 _MISSING = (1 << 64) - 1  # an inner chunk the shard does not hold
 DIRECT_ALIGN = 512  # O_DIRECT: file offset, memory address and length in whole logical blocks
-_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
 class ShardError(UserError):
@@ -57,7 +57,7 @@ class ShardError(UserError):
 
 
 class _Array:
-    """What a row read needs from one array's zarr.json: the layout `xlaopt.zarr3` writes,
+    """What a row read needs from one array's zarr.json: the layout `xlaopt.io.zarr3` writes,
     and nothing else (other codecs raise, so a caller can fall back to tensorstore)."""
 
     def __init__(self, path: pathlib.Path):
@@ -220,11 +220,6 @@ class _Shard:
                 self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), False
 
 
-def chunk_crc32c(chunks: np.ndarray) -> np.ndarray:
-    """The crc32c of each row of `chunks` (uint8 [chunks, bytes])."""
-    return np.fromiter((google_crc32c.value(c) for c in chunks), np.uint32, len(chunks))
-
-
 def _copy_rows(dst: np.ndarray, src: np.ndarray, at: int, lo: int, hi: int) -> None:
     """dst[at:at + hi - lo] = rows lo:hi of `src` ([chunks, rows per chunk, ...]), whose chunks
     are not evenly spaced in memory: partial chunks at the ends, whole ones as one 3-D copy."""
@@ -254,7 +249,7 @@ class RowsRead:
 
 
 class ShardReader:
-    """Row ranges of zarr3 arrays laid out as `xlaopt.zarr3.array_spec` writes them with inner
+    """Row ranges of zarr3 arrays laid out as `xlaopt.io.zarr3.array_spec` writes them with inner
     chunks (the sample store's arrays), read in parallel pieces on a thread pool.
 
         reader = ShardReader()

@@ -1,0 +1,3 @@
+"""Bulk file I/O shared by checkpoints (`xlaopt.checkpoint`) and the sample store
+(`xlaopt.data`): aligned and pooled host buffers and the O_DIRECT opener (`hostmem`), crc32c
+(`crc32c`) and the zarr3 array specs both write (`zarr3`). Nothing here imports either user."""
