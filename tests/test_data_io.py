@@ -8,7 +8,8 @@ import pytest
 import tensorstore as ts
 
 from xlaopt.benchmarks.data_io import format_io_table, run_io
-from xlaopt.io.hostmem import BufferPool, aligned_empty, open_for_reading
+from xlaopt.io.direct import open_for_reading
+from xlaopt.io.hostmem import BufferPool, aligned_empty
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.loader import RESOLUTION_SHIFT, Loader, LoaderState, Planner
 from xlaopt.data.packing import fill_row, logit_normal_sigma
