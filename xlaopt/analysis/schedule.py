@@ -31,25 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import re
 from typing import Iterator
 
 from xlaopt.analysis import hlo
+from xlaopt.analysis.hlo import Instruction
 
-SYNC_KINDS = hlo.KINDS + ("collective-broadcast", "ragged-all-to-all")
 FREE_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
     "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done", "while", "call", "conditional",
 })
 _DOT_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveInfo:
-    kind: str  # one of SYNC_KINDS (the `-start` suffix dropped)
+    kind: str  # one of hlo.COLLECTIVE_OPCODES (the `-start` suffix dropped)
     bytes: int  # per execution, scaling-book convention (see xlaopt.analysis.hlo)
     narrow_bytes: int  # the same with widening converts undone (see module docstring)
     replica_groups: tuple[tuple[int, ...], ...]
@@ -122,47 +120,6 @@ class Schedule:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One instruction line of a compiled computation, split into its parts."""
-    name: str
-    result: str  # result type text
-    opcode: str
-    operands: tuple[str, ...]
-    args: str  # the text inside the parentheses (a parameter's index, a constant's value)
-    attrs: str
-    is_root: bool
-
-
-def _split_operands(rest: str) -> tuple[str, str]:
-    """`rest` is everything after `opcode(`: return (operand text, attribute text)."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return rest[:i], rest[i + 1:]
-    return rest, ""
-
-
-def _parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
-    comps, entry = hlo.computations(hlo_text)
-    parsed: dict[str, list[Instruction]] = {}
-    for comp, lines in comps.items():
-        instrs = []
-        for line in lines:
-            m = hlo.INSTRUCTION.match(line)
-            if not m:
-                continue
-            operand_text, attrs = _split_operands(m.group(5))
-            instrs.append(Instruction(m.group(2), m.group(3), m.group(4), tuple(_OPERAND.findall(operand_text)),
-                                      operand_text, attrs, bool(m.group(1))))
-        parsed[comp] = instrs
-    return parsed, entry
-
-
 def _int_list(attrs: str, key: str) -> list[int]:
     m = re.search(key + r"=\{([0-9,]*)\}", attrs)
     return [int(x) for x in m.group(1).split(",") if x] if m else []
@@ -173,7 +130,7 @@ class HloReader:
     computation's result types by instruction name (`types`), and the entry's name (`entry`)."""
 
     def __init__(self, hlo_text: str):
-        self.comps, self.entry = _parse(hlo_text)
+        self.comps, self.entry = hlo.parse(hlo_text)
         self.types = {c: {i.name: i.result for i in instrs} for c, instrs in self.comps.items()}
 
     # --- FLOPs -------------------------------------------------------------------------
@@ -389,21 +346,11 @@ class HloReader:
         return min(1.0, hlo.DTYPE_BYTES[src[0][0]] / hlo.DTYPE_BYTES[dst[0][0]])
 
     def collective(self, comp: str, ins: Instruction) -> CollectiveInfo | None:
-        target = ins
-        if ins.opcode == "async-start":
-            callee = self.callee(ins, "calls")
-            target = next((i for i in self.comps.get(callee, []) if i.opcode in SYNC_KINDS), None)
-            if target is None:
-                return None
-        op = target.opcode
-        kind = op.removesuffix("-start")
-        if kind not in SYNC_KINDS:
+        read = hlo.read_collective(ins, self.comps)
+        if read is None:
             return None
-        groups = hlo.parse_replica_groups(target.attrs)
-        size = len(groups[0]) if groups else 1
-        nbytes = hlo.collective_bytes(kind, op, target.result, size) if kind in hlo.KINDS else \
-            hlo.shape_bytes(target.result)
-        operands = ins.operands if ins.opcode == "async-start" else target.operands
+        target, nbytes, groups, size = read.target, read.bytes, read.replica_groups, read.group_size
+        operands = ins.operands  # an async-start's operands are its collective's
         ratios = [self._widening_ratio(comp, o) for o in operands]
         if len(ratios) == 1:
             narrow = int(nbytes * ratios[0])
@@ -414,7 +361,7 @@ class HloReader:
             else:
                 narrow = nbytes
         scattered = self._scattered_fraction(comp, ins, size) if ins.opcode == "all-reduce" else 0.0
-        return CollectiveInfo(kind, nbytes, narrow, groups, scattered)
+        return CollectiveInfo(read.kind, nbytes, narrow, groups, scattered)
 
     # --- ops ---------------------------------------------------------------------------
     def op(self, comp: str, position: int, ins: Instruction) -> Op:
@@ -423,12 +370,10 @@ class HloReader:
             return Op(kind="free", **base)
         if ins.opcode.endswith("-done") and ins.opcode != "copy-done":
             return Op(kind="collective-done", **base)
-        if ins.opcode in SYNC_KINDS or (ins.opcode.endswith("-start") and ins.opcode.removesuffix("-start")
-                                        in SYNC_KINDS) or ins.opcode == "async-start":
-            info = self.collective(comp, ins)
-            if info is not None:
-                kind = "collective" if ins.opcode in SYNC_KINDS else "collective-start"
-                return Op(kind=kind, collective=info, **base)
+        info = self.collective(comp, ins)
+        if info is not None:
+            kind = "collective" if ins.opcode in hlo.COLLECTIVE_OPCODES else "collective-start"
+            return Op(kind=kind, collective=info, **base)
         matmuls, dtype = self.matmuls(comp, ins)
         roundtrip = ins.opcode == "fusion" and self._is_roundtrip(self.callee(ins, "calls"))
         return Op(kind="compute", flops=float(sum(matmuls)), bytes=self.op_bytes(comp, ins), matmuls=matmuls,
@@ -447,19 +392,6 @@ class HloReader:
             return False
         dtype = params[0][0][0]
         return hlo.shape_dims(root.result)[0][0] == dtype and min(widths) < hlo.DTYPE_BYTES[dtype]
-
-
-def _trip_count(ins: Instruction) -> int | None:
-    m = hlo.TRIP_COUNT.search(ins.attrs)
-    if m:
-        return int(m.group(1))
-    m = re.search(r"backend_config=(\{.*\})", ins.attrs)
-    if m:
-        try:
-            return int(json.loads(m.group(1))["known_trip_count"]["n"])
-        except (ValueError, KeyError, TypeError):
-            return None
-    return None
 
 
 def build_schedule(hlo_text: str) -> Schedule:
@@ -482,7 +414,7 @@ def build_schedule(hlo_text: str) -> Schedule:
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
             if ins.opcode == "while":
                 body = reader.callee(ins, "body")
-                trips = _trip_count(ins)
+                trips = hlo.trip_count(ins.attrs)
                 if ins.name not in seen_loops:
                     seen_loops.add(ins.name)
                     loops.append({"name": ins.name, "computation": comp, "body": body,
