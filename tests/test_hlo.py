@@ -28,6 +28,8 @@ from conftest import needs_devices
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, x",
      ((0, 1), (2, 3), (4, 5), (6, 7))),
     ("source_target_pairs={{0,1},{1,0}}", ((0, 1), (1, 0))),
+    # send / recv carry their pairs as a frontend attribute
+    ('frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2}}"}', ((0, 1), (1, 2))),
 ])
 def test_replica_group_spellings(attrs, groups):
     assert parse_replica_groups(attrs) == groups

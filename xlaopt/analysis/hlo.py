@@ -110,8 +110,8 @@ def parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
         arranged = devices.reshape(sizes).transpose(rest + grouped)
         size = int(np.prod([sizes[i] for i in grouped]))
         return tuple(tuple(int(x) for x in row) for row in arranged.reshape(-1, size))
-    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
-    if m:  # collective-permute: each (source, target) pair is a group
+    m = re.search(r"source_target_pairs=\"?\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:  # collective-permute, or send / recv's frontend attribute: each (source, target) pair is a group
         return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
     return ()
 

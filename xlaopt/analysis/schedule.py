@@ -9,8 +9,10 @@ most matmul FLOPs (an upper bound; the branch taken is not known statically).
 Each op carries:
 - kind: "compute", "collective" (synchronous: the compute stream waits for it),
   "collective-start" / "collective-done" (an async pair: `all-gather-start`, `all-reduce-start`,
-  `collective-permute-start`, or `async-start` wrapping a `reduce-scatter` / `all-to-all`), or
-  "free" (parameter, constant, tuple plumbing, bitcast: no work);
+  `collective-permute-start`, or `async-start` wrapping a `reduce-scatter` / `all-to-all`),
+  "send" / "recv" / "send-done" / "recv-done" (point-to-point transfers, their source-target
+  pairs as the groups), "copy-start" / "copy-done" (an async copy, `host_transfer` when one side
+  is host memory), or "free" (parameter, constant, tuple plumbing, bitcast: no work);
 - flops: matmul FLOPs, per device, from shapes: a dot is 2 * prod(result dims) * prod(lhs
   contracting dims); a convolution 2 * prod(result) * prod(kernel) / output features; a fusion the
   sum over the dots in its fused computation; a cuBLAS gemm custom call from its dot dimension
@@ -40,8 +42,11 @@ from xlaopt.analysis.hlo import Instruction
 
 FREE_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
-    "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done", "while", "call", "conditional",
+    "add-dependency", "opt-barrier", "domain", "while", "call", "conditional",
 })
+# Async transfers that are not collectives: their op kind is their opcode.
+TRANSFER_OPCODES = frozenset({"copy-start", "copy-done", "send", "recv", "send-done", "recv-done"})
+_HOST_MEMORY = re.compile(r"S\(5\)")  # XLA's host memory space, in a layout: f32[8]{0:S(5)}
 _DOT_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 
 
@@ -65,11 +70,11 @@ class CollectiveInfo:
 class Op:
     name: str
     opcode: str
-    kind: str  # compute | collective | collective-start | collective-done | free
+    kind: str  # compute | collective | collective-start | collective-done | one of TRANSFER_OPCODES | free
     computation: str
     position: int  # index in its computation's schedule
     flops: float = 0.0
-    bytes: int = 0
+    bytes: int = 0  # a copy-start: the bytes of the array it copies
     matmuls: tuple[float, ...] = ()  # FLOPs of each matmul inside (efficiency depends on size)
     dtype: str | None = None  # element type of the matmul operands, e.g. "bf16"
     collective: CollectiveInfo | None = None
@@ -77,6 +82,9 @@ class Op:
     # A fusion that only widens a value it first narrowed (f32 -> bf16 -> f32): XLA's CPU pipeline
     # emits these around bf16 work it runs in f32; a GPU compile has no such op.
     widening_roundtrip: bool = False
+    # copy-start / send / recv between host and device memory (a memory space S(5) layout, or
+    # is_host_transfer=true) rather than inside device memory or between devices.
+    host_transfer: bool = False
 
 
 @dataclasses.dataclass
@@ -368,7 +376,9 @@ class HloReader:
         base = dict(name=ins.name, opcode=ins.opcode, computation=comp, position=position, operands=ins.operands)
         if ins.opcode in FREE_OPCODES:
             return Op(kind="free", **base)
-        if ins.opcode.endswith("-done") and ins.opcode != "copy-done":
+        if ins.opcode in TRANSFER_OPCODES:
+            return self._transfer(comp, ins, base)
+        if ins.opcode.endswith("-done"):
             return Op(kind="collective-done", **base)
         info = self.collective(comp, ins)
         if info is not None:
@@ -378,6 +388,21 @@ class HloReader:
         roundtrip = ins.opcode == "fusion" and self._is_roundtrip(self.callee(ins, "calls"))
         return Op(kind="compute", flops=float(sum(matmuls)), bytes=self.op_bytes(comp, ins), matmuls=matmuls,
                   dtype=dtype, widening_roundtrip=roundtrip, **base)
+
+    def _transfer(self, comp: str, ins: Instruction, base: dict) -> Op:
+        """copy-start (its bytes: the copied operand), send / recv (their bytes: the data array,
+        first in their result (data, context, token); their groups: the source-target pairs), and
+        their dones."""
+        if ins.opcode == "copy-start":
+            source = self.types[comp].get(ins.operands[0], "") if ins.operands else ""
+            host = bool(_HOST_MEMORY.search(ins.result) or _HOST_MEMORY.search(source))
+            return Op(kind="copy-start", bytes=hlo.shape_bytes(source), host_transfer=host, **base)
+        if ins.opcode in ("send", "recv"):
+            data = hlo.shape_dims(ins.result)[:1]
+            nbytes = sum(hlo.DTYPE_BYTES[d] * math.prod(dims) for d, dims in data)
+            info = CollectiveInfo(ins.opcode, nbytes, nbytes, hlo.parse_replica_groups(ins.attrs))
+            return Op(kind=ins.opcode, collective=info, host_transfer="is_host_transfer=true" in ins.attrs, **base)
+        return Op(kind=ins.opcode, **base)
 
     @functools.lru_cache(maxsize=None)
     def _is_roundtrip(self, comp: str | None) -> bool:
