@@ -36,10 +36,10 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
 def measure(program, steps: int) -> dict:
     import jax
 
-    from xlaopt.compile import compile_program
+    import xlaopt
     from xlaopt.families import family_of
 
-    compiled = compile_program(program)
+    compiled = xlaopt.compile_program(program)
     t0 = time.perf_counter()
     step = compiled.train_step
     compile_s = time.perf_counter() - t0
@@ -71,18 +71,16 @@ def main() -> int:
     parser.add_argument("--json", default="out/mesh_layouts.json")
     args = parser.parse_args()
 
-    from xlaopt.mesh import MeshSpec, request_cpu_devices
+    import xlaopt
+    from xlaopt.mesh import MeshSpec
 
     meshes = [MeshSpec.parse(m) for m in args.meshes.split(";")]
-    request_cpu_devices(max(m.num_devices for m in meshes))
-    from xlaopt.models.registry import get_config
-    from xlaopt.pipeline import pipeline, run_pipeline
-    from xlaopt.program import TrainProgram
+    xlaopt.simulated_devices(max(m.num_devices for m in meshes))
 
     rows = []
     for mesh in meshes:
-        base = TrainProgram(get_config(args.model), mesh)
-        laid_out, _ = run_pipeline(base, pipeline())
+        base = xlaopt.build_program(args.model, mesh)
+        laid_out, _ = xlaopt.optimize(base)
         for variant, program in (("replicated", base), ("mesh-layout", laid_out)):
             row = {"mesh": str(mesh), "variant": variant, **measure(program, args.steps)}
             rows.append(row)

@@ -22,9 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin

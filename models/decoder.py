@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.models.block import TransformerBlock
 from xlaopt.models.attention import AttentionSpec
+from xlaopt.models.block import TransformerBlock
 from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, next_token_loss, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
+from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.layers import next_token_loss
 
 

@@ -13,8 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from xlaopt.context import PassContext
-from xlaopt.pipeline import PassResult
+from xlaopt.context import PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
 from xlaopt.step import batch_spec, make_optimizer

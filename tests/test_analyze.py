@@ -4,14 +4,14 @@ import json
 
 import pytest
 
-from xlaopt.analyze import analyze, format_analysis
+from xlaopt.analysis.analyze import analyze, format_analysis
+from xlaopt.analysis.topology import parse_topology
 from xlaopt.cli import main
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
-from xlaopt.topology import parse_topology
 
 from conftest import needs_devices
 

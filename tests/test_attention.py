@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaopt.models.cosmos3 import Cosmos3
 from xlaopt.models.attention import AttentionSpec, blockwise_or_dense, dense_attention
+from xlaopt.models.cosmos3 import Cosmos3
 from xlaopt.models.masks import Tokens
 from xlaopt.models.objective import noised_inputs
 

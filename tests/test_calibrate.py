@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xlaopt import calibrate as cal
-from xlaopt import costmodel as cm
+from xlaopt.analysis import calibrate as cal, costmodel as cm
 from xlaopt.errors import UserError
 
 RUNS = Path(__file__).resolve().parents[2] / "shared/calibration/published_runs.csv"
@@ -147,7 +146,7 @@ def compiled():
 
 @needs_runs
 def test_which_rows_the_compiled_method_can_take():
-    from xlaopt.calibrate_compiled import compile_blocker
+    from xlaopt.analysis.calibrate_compiled import compile_blocker
 
     priced = {r.id: cal.prepare(r) for r in cal.read_runs(RUNS)}
     blockers = {k: compile_blocker(p) for k, p in priced.items()}

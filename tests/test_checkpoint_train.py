@@ -69,7 +69,7 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path, store, caps
 def test_a_checkpoint_resumes_under_another_execution_config(tmp_path, before, after):
     """Recomputation is how a step runs, not what it computes: a run checkpointed with one remat
     policy continues under the other, on the losses the uninterrupted run has."""
-    from xlaopt.verify import TOLERANCES
+    from xlaopt.runtime.verify import TOLERANCES
 
     common = ["--steps", "4", "--data", "memory", "--ckpt", str(tmp_path / "ckpt"), "--resume"]
     whole = _train(tmp_path, "whole", *common[:4], "--exec", f"remat={before}")
@@ -107,7 +107,7 @@ def test_a_checkpoint_older_than_a_config_field_resumes_at_its_default():
     from xlaopt.checkpoint import CheckpointError
     from xlaopt.models.registry import get_config
     from xlaopt.program import TrainProgram
-    from xlaopt.train import _check_same_run, _run_meta
+    from xlaopt.runtime.train import _check_same_run, _run_meta
 
     program = TrainProgram(get_config("llama-tiny"))
     old = json.loads(json.dumps(_run_meta(program, None)))

@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from xlaopt.models.registry import ConfigError, get_config, parse_overrides
 from xlaopt.models.flops import forward_flops, layer_weights_per_tower
+from xlaopt.models.registry import ConfigError, get_config, parse_overrides
 from xlaopt.program import TrainProgram
 from xlaopt.step import param_count
 

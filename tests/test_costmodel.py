@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from xlaopt import costmodel as cm
-from xlaopt.analytic import DecoderShape, Layout, Software, price_step
-from xlaopt.topology import parse_topology
+from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.analysis.topology import parse_topology
 
 EFF = cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3, nvlink=0.5,
                     network=0.25)

@@ -8,7 +8,6 @@ import pytest
 import tensorstore as ts
 
 from xlaopt.benchmarks.data_io import format_io_table, run_io
-from xlaopt.checkpoint.hostmem import BufferPool, aligned_empty, open_for_reading
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.loader import RESOLUTION_SHIFT, Loader, LoaderState, Planner
 from xlaopt.data.packing import fill_row, logit_normal_sigma
@@ -16,7 +15,9 @@ from xlaopt.data.shard_reader import ShardError, ShardReader
 from xlaopt.data.store import SampleStore, StoreError, StoreWriter
 from xlaopt.data.synthetic_cosmos import CosmosSamples
 from xlaopt.data.synthetic_video import make_video_store
-from xlaopt.zarr3 import array_spec, open_spec
+from xlaopt.io.direct import open_for_reading
+from xlaopt.io.hostmem import BufferPool, aligned_empty
+from xlaopt.io.zarr3 import array_spec, open_spec
 
 
 @pytest.fixture(scope="module")

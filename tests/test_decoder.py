@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 
 from xlaopt.data.batch import BatchShape
+from xlaopt.data.synthetic_text import SyntheticText
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
-from xlaopt.data.synthetic_text import SyntheticText
 from xlaopt.mesh import MeshSpec
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.decoder import Decoder, forward_flops
 from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.runtime.verify import compare, one_step_grads
 from xlaopt.step import param_count
-from xlaopt.verify import compare, one_step_grads
 
 from conftest import needs_devices
 

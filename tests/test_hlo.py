@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from xlaopt.analysis.hlo import collectives, parse_replica_groups
+from xlaopt.analysis.topology import parse_topology
 from xlaopt.compile import compile_program
 from xlaopt.execution import ExecutionConfig
-from xlaopt.hlo import collectives, parse_replica_groups
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
 from xlaopt.step import abstract_params_with_axes
-from xlaopt.topology import parse_topology
 
 from conftest import needs_devices
 
@@ -29,9 +29,97 @@ from conftest import needs_devices
     ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}, x",
      ((0, 1), (2, 3), (4, 5), (6, 7))),
     ("source_target_pairs={{0,1},{1,0}}", ((0, 1), (1, 0))),
+    # send / recv carry their pairs as a frontend attribute
+    ('frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2}}"}', ((0, 1), (1, 2))),
 ])
 def test_replica_group_spellings(attrs, groups):
     assert parse_replica_groups(attrs) == groups
+
+
+# Every async spelling of a collective, each also inside a while loop of 3 trips: the two
+# `-start` opcodes XLA keeps and `async-start`s whose called computation holds the collective.
+ASYNC_HLO = """HloModule async_collectives
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%wrapped_rs (p: f32[8,16]) -> f32[4,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %rs = f32[4,16]{1,0} reduce-scatter(%p), channel_id=1, replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+}
+
+%wrapped_a2a (p: f32[8,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %a2a = f32[8,16]{1,0} all-to-all(%p), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (t: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %t = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%t), index=1
+  %body-rs-start = ((f32[8,16]{1,0}), f32[4,16]{1,0}) async-start(%x), calls=%wrapped_rs
+  %body-rs-done = f32[4,16]{1,0} async-done(%body-rs-start)
+  %body-ar-start = f32[8,16]{1,0} all-reduce-start(%x), channel_id=3, replica_groups={{0,1}}, to_apply=%add
+  %body-ar-done = f32[8,16]{1,0} all-reduce-done(%body-ar-start)
+  ROOT %next = (s32[], f32[8,16]{1,0}) tuple(%i, %body-ar-done)
+}
+
+ENTRY %main (x: f32[8,16]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %ag-start = (f32[8,16]{1,0}, f32[16,16]{1,0}) all-gather-start(%x), channel_id=4, replica_groups={{0,1}}, dimensions={0}
+  %ag-done = f32[16,16]{1,0} all-gather-done(%ag-start)
+  %cp-start = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%x), channel_id=5, source_target_pairs={{0,1},{1,0}}
+  %cp-done = f32[8,16]{1,0} collective-permute-done(%cp-start)
+  %a2a-start = ((f32[8,16]{1,0}), f32[8,16]{1,0}) async-start(%cp-done), calls=%wrapped_a2a
+  %a2a-done = f32[8,16]{1,0} async-done(%a2a-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %a2a-done)
+  %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_async_collectives_are_read_once_at_their_start():
+    colls = {c.name: c for c in collectives(ASYNC_HLO)}
+    # one per start, never the done, and nothing read a second time inside a wrapped computation
+    assert set(colls) == {"ag-start", "cp-start", "a2a-start", "body-rs-start", "body-ar-start"}
+    assert all(c.is_async for c in colls.values())
+    assert {n: c.kind for n, c in colls.items()} == {
+        "ag-start": "all-gather", "cp-start": "collective-permute", "a2a-start": "all-to-all",
+        "body-rs-start": "reduce-scatter", "body-ar-start": "all-reduce"}
+    # bytes, scaling-book: a gather its result, a scatter its operand (4 x 16 x 4 bytes x 2 ranks)
+    assert colls["ag-start"].bytes == 16 * 16 * 4 and colls["body-rs-start"].bytes == 8 * 16 * 4
+    assert colls["a2a-start"].bytes == colls["cp-start"].bytes == colls["body-ar-start"].bytes == 8 * 16 * 4
+    assert colls["a2a-start"].replica_groups == ((0, 1, 2, 3),)
+    assert colls["a2a-start"].shapes == (("f32", (8, 16)),)  # the wrapped collective's result
+    assert colls["cp-start"].replica_groups == ((0, 1), (1, 0))
+    # executions come from the loop's trip count
+    assert {n: c.executions for n, c in colls.items()} == {
+        "ag-start": 1, "cp-start": 1, "a2a-start": 1, "body-rs-start": 3, "body-ar-start": 3}
+
+
+def test_schedule_reads_the_same_collectives():
+    from xlaopt.analysis.schedule import build_schedule
+
+    ops = build_schedule(ASYNC_HLO).ops
+    starts = [op for op in ops if op.kind == "collective-start"]
+    read = {c.name: c for c in collectives(ASYNC_HLO)}
+    assert sorted(op.name for op in starts) == sorted(n for n, c in read.items() for _ in range(c.executions))
+    for op in starts:
+        assert (op.collective.kind, op.collective.bytes, op.collective.replica_groups) == (
+            read[op.name].kind, read[op.name].bytes, read[op.name].replica_groups)
+    assert sum(op.kind == "collective-done" for op in ops) == len(starts)
 
 
 def _compiled(config, mesh: str):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xlaopt import gpu_aot
+from xlaopt.analysis import gpu_aot
 from xlaopt.compile import compile_program
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec
@@ -78,7 +78,7 @@ def test_deviceless_gpu_compile_skips_registered_transforms_so_programs_refuse_t
     from jax.extend import xla as jex_xla
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from xlaopt.topology import parse_topology
+    from xlaopt.analysis.topology import parse_topology
 
     topology = parse_topology("h100:1x2")
     mesh = gpu_aot.gpu_mesh(topology, (2,), ("data",))

@@ -7,11 +7,17 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import needs_devices
 from xlaopt.errors import UserError
 from xlaopt.interop.diffusers_config import DiffusersConfigError, cosmos3_from_diffusers, diffusers_from_cosmos3
-from xlaopt.interop.diffusers_weights import (SafetensorsDir, WeightsError, export_diffusers, import_params,
-                                              write_safetensors)
+from xlaopt.interop.diffusers_weights import (
+    SafetensorsDir,
+    WeightsError,
+    export_diffusers,
+    import_params,
+    write_safetensors,
+)
+
+from conftest import needs_devices
 
 torch = pytest.importorskip("torch", reason="reference models need torch (pip install -e '.[parity]')")
 pytest.importorskip("diffusers.models.transformers.transformer_cosmos3",
@@ -99,8 +105,8 @@ def test_import_train_export_reload(reference_dir, tmp_path):
     export, reload in diffusers: no missing or unexpected keys, and the trained weights."""
     from xlaopt.checkpoint import CheckpointManager
     from xlaopt.compile import CompiledProgram
-    from xlaopt.data.synthetic_cosmos import SyntheticCosmos
     from xlaopt.data.batch import BatchShape
+    from xlaopt.data.synthetic_cosmos import SyntheticCosmos
     from xlaopt.mesh import MeshSpec
     from xlaopt.program import TrainSettings
 

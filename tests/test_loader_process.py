@@ -18,6 +18,7 @@ from xlaopt.data.synthetic_store import make_store
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import loader_worker as w  # noqa: E402
+
 from conftest import finish, free_port  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("loader_worker.py"))

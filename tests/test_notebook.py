@@ -1,4 +1,4 @@
-"""The notebook view of a compiled step (`xlaopt.notebook`) and `experiments/inspect_cosmos3.ipynb`.
+"""The notebook view of a compiled step (`xlaopt.analysis.notebook`) and `experiments/inspect_cosmos3.ipynb`.
 
 The HTML tables and SVG timeline are checked on a hand-built schedule with hand-computed times
 (escaping, lanes, totals, binning of short ops, JSON round trip). The notebook is executed the way
@@ -67,11 +67,11 @@ if __name__ == "__main__":
 
 
 # --- unit tests on hand-made data -----------------------------------------------------------
-from xlaopt.notebook import Analysis, Table, esc, fmt_seconds, timeline_svg  # noqa: E402
-from xlaopt.schedule import Schedule  # noqa: E402
-from xlaopt.simulate import bounds, simulate  # noqa: E402
-
 from test_simulate import EFF, MESH, TOPO, compute, done, gather  # noqa: E402
+
+from xlaopt.analysis.notebook import Analysis, Table, esc, fmt_seconds, timeline_svg  # noqa: E402
+from xlaopt.analysis.schedule import Schedule  # noqa: E402
+from xlaopt.analysis.simulate import bounds, simulate  # noqa: E402
 
 HOSTILE = '<img src=x onerror="alert(1)">&'
 
@@ -218,7 +218,7 @@ def test_notebook_runs_and_shows_tables_timeline_and_json(executed):
     assert any(h.startswith("<svg") for h in htmls)  # the timeline on its own
     assert "characters of JSON" in cells[-1]["stdout"]
 
-    from xlaopt.notebook import Analysis
+    from xlaopt.analysis.notebook import Analysis
 
     view = Analysis.from_json(executed["exports"]["view"])
     r = view.result

@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from xlaopt.analysis.topology import parse_topology
 from xlaopt.compile import compile_program
-from xlaopt.context import PassContext
+from xlaopt.context import PassContext, PassResult
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.models.registry import get_config
-from xlaopt.pipeline import PassResult, PipelineError, parse_pass_options, pipeline, run_pipeline, select_passes
+from xlaopt.pipeline import PipelineError, parse_pass_options, pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram
-from xlaopt.topology import parse_topology
 from xlaopt.transforms import GradTransform, HloTransform
 from xlaopt.transforms.compiler_options import CompilerOptions
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from xlaopt.schedule import build_schedule
+from xlaopt.analysis.schedule import build_schedule
 
 # A scheduled module in the syntax `compiled.as_text()` prints: operands without types, fused
 # computations first, ENTRY last.
@@ -174,3 +174,33 @@ ENTRY %main (x: bf16[64,16], y: bf16[32,16], u: bf16[8,16], v: bf16[4,16]) -> bf
     ops = {op.name: op for op in build_schedule(text).ops}
     assert ops["rs"].collective.bytes == (64 + 32) * 16 * 2
     assert ops["ag"].collective.bytes == (64 + 32) * 16 * 2
+
+
+def test_copies_and_point_to_point_transfers_get_their_own_kinds():
+    """copy-start / copy-done (host memory is layout memory space S(5)) and send / recv with
+    their dones, as XLA prints them; the sends' pairs come from their frontend attribute."""
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[8,16], t: token[]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %t = token[] parameter(1)
+  %off = (f32[8,16]{1,0:S(5)}, f32[8,16]{1,0}, u32[]) copy-start(%x)
+  %off-done = f32[8,16]{1,0:S(5)} copy-done(%off)
+  %dup = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[]) copy-start(%x)
+  %dup-done = f32[8,16]{1,0} copy-done(%dup)
+  %recv = (f32[8,16]{1,0}, u32[], token[]) recv(%t), channel_id=1, frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2}}"}
+  %send = (f32[8,16]{1,0}, u32[], token[]) send(%x, %t), channel_id=2, frontend_attributes={_xla_send_recv_source_target_pairs="{{0,1},{1,2}}"}
+  %recv-done = (f32[8,16]{1,0}, token[]) recv-done(%recv), channel_id=1
+  %send-done = token[] send-done(%send), channel_id=2
+  ROOT %y = f32[8,16]{1,0} get-tuple-element(%recv-done), index=0
+}
+"""
+    ops = {op.name: op for op in build_schedule(text).ops}
+    assert {n: ops[n].kind for n in ("off", "off-done", "dup", "recv", "send", "recv-done", "send-done")} == {
+        "off": "copy-start", "off-done": "copy-done", "dup": "copy-start", "recv": "recv", "send": "send",
+        "recv-done": "recv-done", "send-done": "send-done"}
+    assert ops["off"].bytes == ops["dup"].bytes == 8 * 16 * 4
+    assert ops["off"].host_transfer and not ops["dup"].host_transfer
+    for name in ("send", "recv"):
+        info = ops[name].collective
+        assert (info.kind, info.bytes, info.replica_groups) == (name, 8 * 16 * 4, ((0, 1), (1, 2)))

@@ -1,14 +1,15 @@
 """The event simulation on hand-built schedules with hand-computed step times: a synchronous
 collective adds to the step, an async one hides behind the compute between its start and done,
 the rest is exposed and attributed to its mesh axis. And the Perfetto trace's structure."""
+import dataclasses
 import json
 
 import pytest
 
-from xlaopt import costmodel
-from xlaopt.schedule import CollectiveInfo, Op, Schedule
-from xlaopt.simulate import collective_time_s, mfu, simulate, to_perfetto
-from xlaopt.topology import Device, LinkLevel, Topology
+from xlaopt.analysis import costmodel
+from xlaopt.analysis.schedule import CollectiveInfo, Op, Schedule
+from xlaopt.analysis.simulate import collective_time_s, copy_time_s, mfu, simulate, to_perfetto
+from xlaopt.analysis.topology import Device, LinkLevel, Topology
 
 # 1 TFLOP/s, 1 TB/s HBM, links of 100 GB/s with no latency, every efficiency 1: round numbers.
 TOPO = Topology("toy:2x2", Device("toy", {"bfloat16": 1e12, "float32": 1e12}, 1e9, 1e12), nodes=2,
@@ -88,6 +89,78 @@ def test_cpu_fixups_price_narrow_bytes_and_sliced_all_reduce_as_reduce_scatter()
         costmodel.collective_time_s("all-reduce", 4e8, span, TOPO, EFF))
     assert collective_time_s(info, TOPO, EFF, cpu_fixups=True) == pytest.approx(
         costmodel.collective_time_s("reduce-scatter", 2e8, span, TOPO, EFF))
+
+
+def p2p(name, kind, nbytes, pairs, opcode=None):
+    """A collective-permute (sync or async), send or recv of `nbytes` over (source, target) pairs."""
+    collective = "collective-permute" if kind.startswith("collective") else kind
+    info = CollectiveInfo(collective, nbytes, nbytes, tuple(pairs))
+    return Op(name, opcode or collective, kind, "main", 0, collective=info)
+
+
+def test_collective_permute_is_priced_per_pair_over_the_link_between_its_devices():
+    # 1e8 bytes: 1 ms over the fast link inside a node, 10 ms over the slow one between nodes
+    inside = p2p("cp", "collective", 10**8, [(0, 1), (1, 0)])
+    across = p2p("cp", "collective", 10**8, [(0, 2), (2, 0)])
+    mixed = p2p("cp", "collective", 10**8, [(0, 1), (1, 2)])  # 1 -> 2 leaves node 0: the slowest pair
+    assert collective_time_s(inside.collective, TOPO, EFF) == pytest.approx(1e-3)
+    assert collective_time_s(across.collective, TOPO, EFF) == pytest.approx(10e-3)
+    assert collective_time_s(mixed.collective, TOPO, EFF) == pytest.approx(10e-3)
+    r = run([p2p("cps", "collective-start", 10**8, [(0, 1), (1, 0)], "collective-permute-start"),
+             compute("a", 0.5), done("cpd", "cps"), compute("b", 1)])
+    assert r.step_time_s == pytest.approx(2e-3)  # 1 ms permute behind 0.5 ms of compute, then b
+    assert r.exposed_by_axis == {"fsdp": pytest.approx(0.5e-3)}
+
+
+def test_all_to_all_sends_n_minus_1_over_n_of_each_buffer():
+    # 4 devices on 2 nodes: (n-1)/n * V over the slow link; 2 inside a node: 1/2 * V over the fast one
+    wide = CollectiveInfo("all-to-all", 4 * 10**7, 4 * 10**7, ((0, 1, 2, 3),))
+    assert collective_time_s(wide, TOPO, EFF) == pytest.approx(3 / 4 * 4e7 / 10e9)  # 3 ms
+    narrow = CollectiveInfo("all-to-all", 2 * 10**8, 2 * 10**8, ((0, 1),))
+    assert collective_time_s(narrow, TOPO, EFF) == pytest.approx(1 / 2 * 2e8 / 100e9)  # 1 ms
+    latency = Topology("toy", TOPO.device, 2, 2, (LinkLevel("fast", 100e9, 1e-6), LinkLevel("slow", 10e9, 5e-6)))
+    assert collective_time_s(wide, latency, EFF) == pytest.approx(3 * 5e-6 + 3e-3)  # a latency per peer
+    r = run([Op("a2a", "all-to-all", "collective", "main", 0, collective=wide), compute("a", 1)])
+    assert r.step_time_s == pytest.approx(4e-3) and r.exposed_by_axis == {"data,fsdp": pytest.approx(3e-3)}
+
+
+def test_send_and_recv_are_point_to_point_and_overlap_on_full_duplex_links():
+    # 1e8 bytes to the neighbour inside the node: 1 ms each way
+    send, recv = p2p("s", "send", 10**8, [(0, 1)]), p2p("r", "recv", 10**8, [(1, 0)])
+    send_done = Op("sd", "send-done", "send-done", "main", 0, operands=("s",))
+    recv_done = Op("rd", "recv-done", "recv-done", "main", 0, operands=("r",))
+    assert collective_time_s(send.collective, TOPO, EFF) == pytest.approx(1e-3)
+    # a send and a recv issued together use opposite directions: 1 ms, not 2
+    r = run([recv, send, compute("a", 0.25), recv_done, send_done, compute("b", 1)])
+    assert r.step_time_s == pytest.approx(2e-3)
+    assert r.exposed_comm_s == pytest.approx(0.75e-3) and r.exposed_by_axis == {"fsdp": pytest.approx(0.75e-3)}
+    assert {c["kind"]: c["time_s"] for c in r.collectives} == {"send": pytest.approx(1e-3),
+                                                              "recv": pytest.approx(1e-3)}
+    # two sends share the outgoing direction: one after the other
+    r = run([send, dataclasses.replace(send, name="s2"), send_done,
+             Op("sd2", "send-done", "send-done", "main", 0, operands=("s2",))])
+    assert r.step_time_s == pytest.approx(2e-3)
+    # across nodes: the slow link
+    far = p2p("s", "send", 10**8, [(1, 2)])
+    assert run([far, send_done]).step_time_s == pytest.approx(10e-3)
+
+
+def test_copies_run_on_their_own_stream_at_hbm_bandwidth():
+    # device-local: reads and writes its bytes, 2 x 5e8 / 1 TB/s = 1 ms; host <-> device: 1e9 / 1 TB/s = 1 ms
+    local = Op("c", "copy-start", "copy-start", "main", 0, bytes=5 * 10**8)
+    host = Op("h", "copy-start", "copy-start", "main", 0, bytes=10**9, host_transfer=True)
+    assert copy_time_s(local, TOPO) == pytest.approx(1e-3) and copy_time_s(host, TOPO) == pytest.approx(1e-3)
+    copy_done = Op("cd", "copy-done", "copy-done", "main", 0, operands=("c",))
+    r = run([local, compute("a", 0.25), copy_done, compute("b", 1)])
+    assert r.step_time_s == pytest.approx(2e-3)
+    assert r.copy_s == pytest.approx(1e-3) and r.exposed_copy_s == pytest.approx(0.75e-3)
+    assert r.comm_s == 0 and r.exposed_comm_s == 0  # a copy is not communication
+    # the copy stream is separate from the collectives': a 1 ms gather and a 1 ms copy overlap
+    r = run([gather("g", 1, "collective-start"), local, done("gd", "g"), copy_done])
+    assert r.step_time_s == pytest.approx(1e-3)
+    # copies share the copy stream: two 1 ms copies back to back
+    r = run([local, host, copy_done, Op("hd", "copy-done", "copy-done", "main", 0, operands=("h",))])
+    assert r.step_time_s == pytest.approx(2e-3) and r.exposed_copy_s == pytest.approx(2e-3)
 
 
 def test_mfu():

@@ -16,8 +16,8 @@ from xlaopt.mesh import MeshSpec
 from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.runtime.verify import compare, one_step_grads
 from xlaopt.step import base_grad_fn
-from xlaopt.verify import compare, one_step_grads
 
 from conftest import SMALL, needs_devices
 

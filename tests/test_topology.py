@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from xlaopt.topology import TopologyError, parse_topology
+from xlaopt.analysis.topology import TopologyError, parse_topology
 
 
 def test_presets_from_the_command_line_spelling():
@@ -61,7 +61,7 @@ def test_missing_field_is_named(tmp_path):
 
 
 def test_gpu_device_kinds_find_their_datasheet_peak():
-    from xlaopt.topology import device_for_kind
+    from xlaopt.analysis.topology import device_for_kind
 
     assert device_for_kind("NVIDIA H100 80GB HBM3").peak_flops["bfloat16"] == 989e12
     assert device_for_kind("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"

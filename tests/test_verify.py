@@ -4,12 +4,12 @@ import json
 import pytest
 
 from xlaopt.cli import main
+from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
-from xlaopt.execution import ExecutionConfig
 from xlaopt.program import TrainProgram
+from xlaopt.runtime.verify import compare, one_step_grads
 from xlaopt.transforms import GradTransform
-from xlaopt.verify import compare, one_step_grads
 
 from conftest import SMALL, needs_devices
 

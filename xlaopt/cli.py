@@ -203,8 +203,7 @@ def _program_on_devices(args):
     Importing JAX is fine here; what must wait for the device count is its first backend use."""
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
-
-    from xlaopt import distributed
+    from xlaopt.runtime import distributed
 
     mesh, rules = _mesh_and_rules(args)
     config = get_config(args.model, parse_overrides(args.model, args.set))
@@ -285,13 +284,13 @@ def cmd_train(args) -> int:
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 step")
     program = _program_on_devices(args)
-    from xlaopt.train import format_summary, train
+    from xlaopt.runtime.train import format_summary, train
 
     ckpt = None
     if args.ckpt is not None:
         if args.ckpt_every is not None and args.ckpt_every < 1:
             raise UserError(f"--ckpt-every {args.ckpt_every}: must be a positive number of steps")
-        from xlaopt.train import CheckpointOptions
+        from xlaopt.runtime.train import CheckpointOptions
 
         ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep, args.keep_every)
     elif args.resume or args.ckpt_every is not None:
@@ -311,7 +310,7 @@ def cmd_train(args) -> int:
 
 def cmd_verify(args) -> int:
     program = _program_on_devices(args)
-    from xlaopt.verify import compare, one_step_grads
+    from xlaopt.runtime.verify import compare, one_step_grads
 
     mesh = program.mesh
     sharded, passes = _apply_pipeline(args, program, args.dump_hlo)
@@ -330,14 +329,14 @@ def cmd_verify(args) -> int:
 def cmd_inspect(args) -> int:
     topology = None
     if args.topology:
-        from xlaopt.topology import parse_topology
+        from xlaopt.analysis.topology import parse_topology
 
         topology = parse_topology(args.topology)
     program = _program_on_devices(args)
     if topology is not None and program.mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {program.mesh} needs {program.mesh.num_devices} devices; topology "
                         f"{topology.name} has {topology.num_devices}")
-    from xlaopt.inspection import format_report, inspect_program
+    from xlaopt.analysis.inspection import format_report, inspect_program
 
     program, passes = _apply_pipeline(args, program, args.dump_hlo, topology)
     report = inspect_program(program, topology)
@@ -347,9 +346,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_analyze(args) -> int:
+    from xlaopt.analysis.topology import parse_topology
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
-    from xlaopt.topology import parse_topology
 
     topology = parse_topology(args.topology)
     mesh, rules = _mesh_and_rules(args)
@@ -362,7 +361,7 @@ def cmd_analyze(args) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
-    from xlaopt.analyze import analysis_batch_size, analyze, format_analysis
+    from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
 
     config = get_config(args.model, parse_overrides(args.model, args.set))
     default = family_of(config).default_batch
@@ -442,7 +441,7 @@ def cmd_import_weights(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from xlaopt.calibrate import format_table, main_calibrate
+    from xlaopt.analysis.calibrate import format_table, main_calibrate
 
     print(format_table(main_calibrate(args.runs, args.json, method=args.method)))
     return 0

@@ -1,4 +1,5 @@
-"""What a pass knows besides the program: the cluster, the target compiler, and a cache.
+"""What a pass is handed and what it hands back: `PassContext` (besides the program: the
+cluster, the target compiler, a cache) and `PassResult`; `Pass` is the protocol between them.
 
 The cache holds what depends only on the model and its settings (abstract parameters and
 state, the activations the model constrains), so a pipeline, or a planner pricing hundreds of
@@ -7,7 +8,7 @@ layouts of one model, traces the model once per distinct key instead of once per
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from xlaopt.program import TrainProgram
 
@@ -53,3 +54,17 @@ class PassContext:
     @classmethod
     def for_program(cls, program: TrainProgram, topology: Any = None) -> "PassContext":
         return cls(program.target, topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    program: TrainProgram
+    changed: bool
+    report: dict[str, Any]
+
+
+class Pass(Protocol):
+    name: str
+    summary: str
+
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult: ...

@@ -13,27 +13,13 @@ import dataclasses
 import difflib
 import pathlib
 import re
-from typing import Any, Mapping, Protocol, Sequence, get_type_hints
+from typing import Any, Mapping, Sequence, get_type_hints
 
-from xlaopt.context import PassContext
+from xlaopt.context import Pass, PassContext
 from xlaopt.errors import UserError
 from xlaopt.program import TrainProgram
 
 _KEBAB = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
-
-
-@dataclasses.dataclass(frozen=True)
-class PassResult:
-    program: TrainProgram
-    changed: bool
-    report: dict[str, Any]
-
-
-class Pass(Protocol):
-    name: str
-    summary: str
-
-    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult: ...
 
 
 class PipelineError(RuntimeError):

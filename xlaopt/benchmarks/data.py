@@ -254,7 +254,7 @@ def _compiled_program(shape: BatchShape, model: str, mesh: str, settings: dict, 
                            settings=TrainSettings(batch=shape, seed=seed))
     program, _ = run_pipeline(program, pipeline(), None)
     compiled = compile_program(program)
-    compiled.train_step  # compile now, outside every timed region
+    compiled.train_step  # noqa: B018 (compile now, outside every timed region)
     return program, compiled
 
 

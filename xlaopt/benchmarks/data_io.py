@@ -57,13 +57,13 @@ from typing import Callable
 import numpy as np
 
 from xlaopt.benchmarks.disk import drop_page_cache, probe_read_cold_MBps, read_files_cold_MBps
-from xlaopt.checkpoint.hostmem import aligned_empty
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.loader import Loader, LoaderState, Planner
 from xlaopt.data.shard_reader import PIECE_BYTES, THREADS, ShardReader
 from xlaopt.data.store import SampleStore
 from xlaopt.data.synthetic_video import DEFAULT_CONFIG, DEFAULT_SAMPLES, TOKENS_720P, make_video_store
 from xlaopt.errors import UserError
+from xlaopt.io.hostmem import aligned_empty
 
 PASSES = ("disk_probe", "disk_files", "disk_parallel", "loader", "loader_tensorstore", "read_many",
           "read_many_tensorstore")

@@ -16,9 +16,21 @@ import time
 import jax
 
 from xlaopt.checkpoint import coordination
-from xlaopt.checkpoint.layout import (FORMAT, MANIFEST, VERSION, CheckpointError, committed_steps, debris,
-                                      fsync_dir, open_root, read_manifest, remove_tree, step_dir_name,
-                                      tmp_dir_name, write_json_durable)
+from xlaopt.checkpoint.layout import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    committed_steps,
+    debris,
+    fsync_dir,
+    open_root,
+    read_manifest,
+    remove_tree,
+    step_dir_name,
+    tmp_dir_name,
+    write_json_durable,
+)
 from xlaopt.checkpoint.restore import restore_tree
 from xlaopt.checkpoint.tree import snapshot
 from xlaopt.checkpoint.writer import DEFAULT_INFLIGHT_BYTES, list_files, ts_context, write_leaves

@@ -9,49 +9,38 @@ themselves; `xlaopt ckpt verify` reads through tensorstore, an independent check
 from __future__ import annotations
 
 import concurrent.futures
-import errno
-import os
 import pathlib
 
 import google_crc32c
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import PAGE, aligned_empty, open_for_reading
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
 from xlaopt.checkpoint.writer import chunk_coords, chunk_path
+from xlaopt.io.direct import DirectFile, ShortRead
+from xlaopt.io.hostmem import aligned_empty
 
 _THREADS = 8
 def _read_chunk(path: pathlib.Path, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     want = nbytes + 4
-    buf = aligned_empty((-(-want // PAGE) * PAGE,), np.uint8)  # direct I/O reads whole blocks
     try:
-        fd, direct = open_for_reading(path)
+        file = DirectFile(path)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: chunk file {path} is missing") from None
-    try:
-        done = 0
-        while done < want:
+    raw = None
+    with file:  # direct I/O reads whole blocks into a page-aligned buffer
+        size = file.size()
+        if size == want:
             try:
-                n = os.preadv(fd, [memoryview(buf)[done:]], done)
-            except OSError as e:
-                if not direct or e.errno != errno.EINVAL:
-                    raise
-                os.close(fd)  # the filesystem took O_DIRECT but refuses the read: plain reads
-                fd, direct = os.open(path, os.O_RDONLY | os.O_NOFOLLOW), False
-                continue
-            if n == 0:
-                break
-            done += n
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    if size != want or done < want:
+                raw, _ = file.pread(0, want)
+            except ShortRead:  # shrank since its size was read
+                size = file.size()
+    if raw is None:
         raise CheckpointError(f"{name}: {path} holds {size} bytes, a chunk needs {want} (truncated or overwritten)")
-    data = buf[:nbytes]
+    data = raw[:nbytes]
     data.flags.writeable = False  # google_crc32c reads only read-only buffers
-    stored, computed = int.from_bytes(buf[nbytes:].tobytes(), "little"), google_crc32c.value(data)
+    stored, computed = int.from_bytes(raw[nbytes:].tobytes(), "little"), google_crc32c.value(data)
     if stored != computed:
         raise CheckpointError(f"{name}: checksum mismatch in {path} (stored {stored:#010x}, computed "
                               f"{computed:#010x}); the file is corrupted")

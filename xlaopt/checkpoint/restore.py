@@ -14,7 +14,7 @@ from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, confined
 from xlaopt.checkpoint.reader import StepReader
 from xlaopt.checkpoint.tree import named_leaves
 from xlaopt.checkpoint.writer import region_of, ts_context
-from xlaopt.zarr3 import open_spec
+from xlaopt.io.zarr3 import open_spec
 
 
 def check_files(step_dir: pathlib.Path, manifest: dict, names=None) -> list[str]:

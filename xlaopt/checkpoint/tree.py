@@ -7,8 +7,8 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import host_copy
 from xlaopt.checkpoint.layout import CheckpointError, safe_part
+from xlaopt.io.hostmem import host_copy
 
 # A chunk (one file) is the unit of checksum and of partial reads: small enough that restoring
 # onto another sharding reads little it discards, large enough that reads stay sequential.

@@ -11,7 +11,7 @@ import tensorstore as ts
 
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, fsync_dir, fsync_file
 from xlaopt.checkpoint.tree import LeafSnapshot
-from xlaopt.zarr3 import array_spec
+from xlaopt.io.zarr3 import array_spec
 
 DEFAULT_INFLIGHT_BYTES = 64 << 20
 

@@ -26,11 +26,11 @@ import time
 
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import BufferPool
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.packing import fill_row, logit_normal_sigma
 from xlaopt.data.store import SampleStore
 from xlaopt.errors import UserError
+from xlaopt.io.hostmem import BufferPool
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 RESOLUTION_SHIFT = 3.0

@@ -1,6 +1,6 @@
 """Row ranges of the sample store's zarr3 arrays, read straight from their shard files.
 
-The store's arrays (see `xlaopt.zarr3`) are zarr3 `sharding_indexed` files: inner chunks, each
+The store's arrays (see `xlaopt.io.zarr3`) are zarr3 `sharding_indexed` files: inner chunks, each
 its little-endian bytes followed by their crc32c (or bare, their crc32c in a side array), then
 the shard index ((offset, nbytes) per inner chunk, uint64 little-endian) and its own crc32c at
 the end of the file. Reading rows is thus: the index once per file, then one positioned read
@@ -27,7 +27,6 @@ file. Files are assumed immutable while a reader has them open (a store is write
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import os
 import pathlib
@@ -37,9 +36,11 @@ import time
 import google_crc32c
 import numpy as np
 
-from xlaopt.checkpoint.hostmem import PAGE, BufferPool, aligned_empty, open_for_reading
 from xlaopt.errors import UserError
-from xlaopt.zarr3 import read_chunk_checksums
+from xlaopt.io.crc32c import CODECS as _CRC, chunk_crc32c
+from xlaopt.io.direct import DIRECT_ALIGN, DirectFile, ShortRead
+from xlaopt.io.hostmem import BufferPool
+from xlaopt.io.zarr3 import read_chunk_checksums
 
 THREADS = 8  # pieces in flight: the disk's queue depth, measured (see `xlaopt.benchmarks.data_io`)
 PIECE_BYTES = 4 << 20  # one positioned read: large enough to stream, small enough to spread
@@ -48,8 +49,6 @@ POOL_BYTES = 512 << 20  # freed result buffers kept for reuse
 # (text, actions, a toy store read epoch after epoch) to the disk, ~20x slower than the cache.
 DIRECT_MIN_BYTES = 1 << 20
 _MISSING = (1 << 64) - 1  # an inner chunk the shard does not hold
-DIRECT_ALIGN = 512  # O_DIRECT: file offset, memory address and length in whole logical blocks
-_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
 class ShardError(UserError):
@@ -57,7 +56,7 @@ class ShardError(UserError):
 
 
 class _Array:
-    """What a row read needs from one array's zarr.json: the layout `xlaopt.zarr3` writes,
+    """What a row read needs from one array's zarr.json: the layout `xlaopt.io.zarr3` writes,
     and nothing else (other codecs raise, so a caller can fall back to tensorstore)."""
 
     def __init__(self, path: pathlib.Path):
@@ -124,29 +123,30 @@ def _normal(codecs):
 
 
 class _Shard:
-    """One open shard file: its descriptor and its verified index."""
+    """One open shard file (a `DirectFile`: O_DIRECT for large reads, the page cache for small
+    ones) and its verified index."""
 
     def __init__(self, path: pathlib.Path, array: _Array, direct: bool):
         self.path = path
-        self._lock = threading.Lock()
-        self._retired: list[int] = []
         try:
-            self.fd, self.direct = open_for_reading(path, direct)
+            self.file = DirectFile(path, direct, min_direct_bytes=DIRECT_MIN_BYTES)
         except FileNotFoundError:
             raise ShardError(f"shard file {path} is missing") from None
         try:
-            self.cached_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW) if self.direct else self.fd
             self._load_index(array)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def direct(self) -> bool:
+        return self.file.direct
+
     def close(self) -> None:
-        for fd in {self.fd, getattr(self, "cached_fd", self.fd), *self._retired}:
-            os.close(fd)
+        self.file.close()
 
     def _load_index(self, array: _Array) -> None:
-        size, path = os.fstat(self.fd).st_size, self.path
+        size, path = self.file.size(), self.path
         index_bytes = 16 * array.per_shard + 4
         if size < index_bytes:
             raise ShardError(f"shard file {path} holds {size} bytes, less than its index ({index_bytes}): truncated")
@@ -166,63 +166,21 @@ class _Shard:
                              f"corrupted)")
 
     def pread(self, offset: int, length: int, buf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes [offset, offset + length) of the file and the page-aligned buffer they were
-        read into: `buf` when large enough, else a new one (direct I/O reads whole aligned
-        blocks around the range, so the buffer holds a little more)."""
-        fd, direct = self.fd, self.direct
-        if direct and length < DIRECT_MIN_BYTES:
-            fd, direct = self.cached_fd, False
-        lo = offset - offset % PAGE if direct else offset
-        hi = -(-(offset + length) // PAGE) * PAGE if direct else offset + length
-        if buf is None or len(buf) < hi - lo:
-            buf = aligned_empty((max(hi - lo, PAGE),), np.uint8)
-        done = 0
-        while done < hi - lo:
-            try:
-                n = os.preadv(fd, [memoryview(buf)[done:hi - lo]], lo + done)
-            except OSError as e:
-                if not direct or e.errno != errno.EINVAL:
-                    raise
-                self._plain_reads(fd)
-                return self.pread(offset, length, buf)
-            if n == 0:
-                break
-            done += n
-        if done < offset + length - lo:
-            raise ShardError(f"shard file {self.path}: {offset + length - lo - done} bytes short at offset "
-                             f"{lo + done} (truncated)")
-        return buf[offset - lo:offset - lo + length], buf
+        """`DirectFile.pread`: bytes [offset, offset + length) and the aligned buffer holding them."""
+        try:
+            return self.file.pread(offset, length, buf)
+        except ShortRead as e:
+            raise self._truncated(e) from None
 
     def pread_into(self, offset: int, dest: np.ndarray) -> None:
-        """Bytes [offset, offset + len(dest)) of the file straight into `dest` (uint8): with direct
-        I/O when the shard has it (the caller aligned offset, address and length), through the
-        page cache for a read the filesystem refuses so."""
-        fd, done = (self.fd if self.direct else self.cached_fd), 0
-        while done < len(dest):
-            try:
-                n = os.preadv(fd, [memoryview(dest)[done:]], offset + done)
-            except OSError as e:
-                if fd == self.cached_fd or e.errno != errno.EINVAL:
-                    raise
-                fd = self.cached_fd
-                continue
-            if n == 0:
-                raise ShardError(f"shard file {self.path}: {len(dest) - done} bytes short at offset {offset + done} "
-                                 f"(truncated)")
-            done += n
+        """`DirectFile.pread_into`: bytes [offset, offset + len(dest)) straight into `dest`."""
+        try:
+            self.file.pread_into(offset, dest)
+        except ShortRead as e:
+            raise self._truncated(e) from None
 
-    def _plain_reads(self, fd: int) -> None:
-        """The filesystem took O_DIRECT at open but refuses a read: switch to plain reads. The
-        old descriptor stays open until the shard closes, as other threads may be using it."""
-        with self._lock:
-            if self.fd == fd and self.direct:
-                self._retired.append(fd)
-                self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), False
-
-
-def chunk_crc32c(chunks: np.ndarray) -> np.ndarray:
-    """The crc32c of each row of `chunks` (uint8 [chunks, bytes])."""
-    return np.fromiter((google_crc32c.value(c) for c in chunks), np.uint32, len(chunks))
+    def _truncated(self, e: ShortRead) -> ShardError:
+        return ShardError(f"shard file {self.path}: {e.missing} bytes short at offset {e.offset} (truncated)")
 
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray, at: int, lo: int, hi: int) -> None:
@@ -254,7 +212,7 @@ class RowsRead:
 
 
 class ShardReader:
-    """Row ranges of zarr3 arrays laid out as `xlaopt.zarr3.array_spec` writes them with inner
+    """Row ranges of zarr3 arrays laid out as `xlaopt.io.zarr3.array_spec` writes them with inner
     chunks (the sample store's arrays), read in parallel pieces on a thread pool.
 
         reader = ShardReader()

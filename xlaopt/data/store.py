@@ -16,7 +16,7 @@ Layout (open: tensorstore or zarr-python read it without xlaopt):
 Every array is one zarr3 file per shard (sharding codec) of crc32c-checked inner chunks, so a
 corrupted or truncated shard fails loudly, naming the file. The latent arrays' inner chunks are
 bare bytes sized to whole 4 KiB pages, their crc32c kept in a side array
-(`xlaopt.zarr3.chunk_checksums_path`): a clip is then one contiguous range of the file, which the
+(`xlaopt.io.zarr3.chunk_checksums_path`): a clip is then one contiguous range of the file, which the
 disk writes straight into the clip's place in a batch, and the checksum is checked there. Plain
 tensorstore still reads every array; only the side arrays' check is xlaopt's. The manifest is written
 last, via a temporary name and a rename: a store without one is incomplete.
@@ -32,12 +32,13 @@ from typing import Iterable
 import numpy as np
 import tensorstore as ts
 
-from xlaopt.checkpoint.hostmem import PAGE
 from xlaopt.data.sample import MODALITY_NAMES, TEXT_ONLY, Sample, SampleError
-from xlaopt.data.shard_reader import DIRECT_MIN_BYTES, ShardError, ShardReader, chunk_crc32c
+from xlaopt.data.shard_reader import DIRECT_MIN_BYTES, ShardError, ShardReader
 from xlaopt.errors import UserError
+from xlaopt.io.crc32c import chunk_crc32c
+from xlaopt.io.hostmem import PAGE
+from xlaopt.io.zarr3 import array_spec, chunk_checksums_path, open_spec, read_chunk_checksums
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
-from xlaopt.zarr3 import array_spec, chunk_checksums_path, open_spec, read_chunk_checksums
 
 FORMAT = "xlaopt-sample-store"
 VERSION = 3  # 2: the index gained the frame-rate column; 3: latents' crc32c in side arrays

@@ -12,8 +12,14 @@ import jax.numpy as jnp
 from xlaopt.checkpoint import CheckpointManager
 from xlaopt.checkpoint.layout import committed_steps
 from xlaopt.interop.diffusers_config import ReferenceSettings, load_config
-from xlaopt.interop.diffusers_weights import (SafetensorsDir, WeightsError, check_tensors, export_diffusers,
-                                              import_params, param_shardings)
+from xlaopt.interop.diffusers_weights import (
+    SafetensorsDir,
+    WeightsError,
+    check_tensors,
+    export_diffusers,
+    import_params,
+    param_shardings,
+)
 from xlaopt.program import TrainState
 from xlaopt.step import make_optimizer
 

@@ -41,8 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from xlaopt.errors import UserError
-from xlaopt.interop.diffusers_config import (CONFIG_FILE, ReferenceSettings, diffusers_from_cosmos3,
-                                             load_config)
+from xlaopt.interop.diffusers_config import CONFIG_FILE, ReferenceSettings, diffusers_from_cosmos3, load_config
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -271,7 +270,7 @@ def mapping(config: Cosmos3Config, settings: ReferenceSettings) -> list[Entry]:
 
     for tower, m in TOWERS.items():
         att = "layers.{i}.self_attn."
-        lay = lambda *p: ("layers", tower) + p
+        lay = lambda *p, tower=tower: ("layers", tower) + p
         out += [
             _identity(f"layers.{{i}}.{m['attn_norm']}.weight", (D,), lay("attn_norm", "scale"), True),
             _split_out(att + m["q"] + ".weight", (H * K, D), lay("q_proj_DHK"), H, K),

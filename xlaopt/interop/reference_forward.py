@@ -22,8 +22,8 @@ import numpy as np
 from xlaopt.data.packing import generator_positions
 from xlaopt.errors import UserError
 from xlaopt.interop.diffusers_config import ReferenceSettings
-from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO, Cosmos3
 from xlaopt.models import mrope
+from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO, Cosmos3
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 LIST_KWARGS = ("vision_tokens", "vision_token_shapes", "vision_noisy_frame_indexes", "sound_tokens",

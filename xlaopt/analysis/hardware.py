@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from xlaopt.cpu_peak import measure_cpu_matmul_peak
+from xlaopt.analysis.cpu_peak import measure_cpu_matmul_peak
+
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
@@ -25,10 +26,11 @@ def mesh_peak(devices, dtype: str) -> Peak:
         per_host = measure_cpu_matmul_peak(dtype)
         return Peak(per_host, f"measured {dtype} matmul peak of the host CPU ({per_host / 1e9:.1f} GFLOP/s), "
                               f"shared by {len(devices)} simulated devices")
-    from xlaopt.topology import device_for_kind
+    from xlaopt.analysis.topology import device_for_kind
 
     device = device_for_kind(kind)
     if device is None or dtype not in device.peak_flops:
-        raise ValueError(f"no {dtype} peak FLOP/s known for device kind {kind!r}; add it to xlaopt/topology.py")
+        raise ValueError(f"no {dtype} peak FLOP/s known for device kind {kind!r}; "
+                         f"add it to xlaopt/analysis/topology.py")
     return Peak(device.peak_flops[dtype] * len(devices),
                 f"{device.name} datasheet {dtype} dense peak x {len(devices)} devices")

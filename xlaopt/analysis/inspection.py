@@ -2,9 +2,9 @@
 level, with bytes per step), memory per device, and model FLOPs; as JSON and as a table."""
 from __future__ import annotations
 
+from xlaopt.analysis.hlo import bytes_by, collectives
 from xlaopt.compile import compile_program
 from xlaopt.families import family_of
-from xlaopt.hlo import bytes_by, collectives
 from xlaopt.program import TrainProgram
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from xlaopt import costmodel as cm
-from xlaopt.topology import Topology
+from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.topology import Topology
 
 _BF16_BYTES = 2
 # AdamW on fp32 master weights: read param, grad, m, v (16 B), write param, m, v (12 B),
@@ -203,17 +203,27 @@ def _recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, fl
     return 0.0, 0.0, 0.0
 
 
-def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
-               eff: cm.Efficiency) -> StepBreakdown:
-    """Seconds of one optimizer step, by cause (see the module docstring for the model)."""
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer and one micro-batch on one GPU: compute times and what the collectives need."""
+    tokens: float  # per GPU per micro-batch
+    lin_s: float  # linear matmuls, forward
+    att_s: float  # attention, forward
+    fwd_s: float
+    bwd_s: float  # recomputation included
+    r_lin: float  # fraction of the linear forward recomputed in backward
+    act_bytes: float  # one activation (tokens x d_model, bf16)
+
+
+def _layer(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+           eff: cm.Efficiency) -> _Layer:
+    """Forward and backward compute of one layer for one micro-batch."""
     dev = topology.device
     bf16_peak = dev.peak_flops["bfloat16"]
     linear_peak = dev.peak_flops["float8"] if software.fp8_linear else bf16_peak
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    tp, cp = layout.tp, layout.cp
     tokens = layout.micro_batch * layout.seq_len / cp  # per GPU per micro-batch
     n_matmuls = 4  # qkv, out, MLP up (+gate), MLP down: the launches a layer's linear FLOPs split into
-
-    # --- one layer, one micro-batch ---------------------------------------------------------
     lin_f = shape.linear_forward_flops(tokens) / tp
     att_f = shape.attention_forward_flops(layout.micro_batch, layout.seq_len) / (tp * cp)
     mm_max = eff.matmul_max_for(dev.name)
@@ -231,79 +241,116 @@ def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software
     # Backward: 2x forward for the linears and elementwise ops; 2.5x for flash attention, whose
     # backward recomputes QK^T (5 matmuls against 2).
     bwd_s = 2 * (lin_s + elem_s) + 2.5 * att_s + 2 * cast_s / 3 + r_lin * lin_s + r_att * att_s + r_elem * elem_s
+    return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, tokens * shape.d_model * _BF16_BYTES)
 
-    # --- tensor and context parallel collectives, per layer per micro-batch ---------------------
-    tp_span = cm.group_span(tp, 1, topology.devices_per_node)
-    act_bytes = tokens * shape.d_model * _BF16_BYTES
+
+def _tp_exposed(layer: _Layer, layout: Layout, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+    """Tensor-parallel collectives of one layer and micro-batch left exposed."""
+    tp_span = cm.group_span(layout.tp, 1, topology.devices_per_node)
     # A pair is the AG + RS (sequence parallel) or the all-reduce (not) around one of the two
     # sub-blocks (attention, MLP): 2 pairs forward, 2 backward, 2 more when the forward is redone.
     if software.sequence_parallel:
-        tp_pair = (cm.collective_time_s("all-gather", act_bytes, tp_span, topology, eff)
-                   + cm.collective_time_s("reduce-scatter", act_bytes, tp_span, topology, eff))
+        tp_pair = (cm.collective_time_s("all-gather", layer.act_bytes, tp_span, topology, eff)
+                   + cm.collective_time_s("reduce-scatter", layer.act_bytes, tp_span, topology, eff))
     else:
-        tp_pair = cm.collective_time_s("all-reduce", act_bytes, tp_span, topology, eff)
+        tp_pair = cm.collective_time_s("all-reduce", layer.act_bytes, tp_span, topology, eff)
     tp_fwd = 2 * tp_pair
-    tp_bwd = 2 * tp_pair + (2 * tp_pair if r_lin >= 1.0 else 0.0)
+    tp_bwd = 2 * tp_pair + (2 * tp_pair if layer.r_lin >= 1.0 else 0.0)
     if software.tp_overlap:
-        tp_exp = cm.exposed_s(tp_fwd, lin_s) + cm.exposed_s(tp_bwd, 2 * lin_s + r_lin * lin_s)
-    else:
-        tp_exp = tp_fwd + tp_bwd
+        return cm.exposed_s(tp_fwd, layer.lin_s) + cm.exposed_s(tp_bwd, 2 * layer.lin_s + layer.r_lin * layer.lin_s)
+    return tp_fwd + tp_bwd
+
+
+def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, eff: cm.Efficiency) -> float:
+    """The context-parallel K/V ring of one layer and micro-batch, behind its attention."""
+    tp, cp = layout.tp, layout.cp
     cp_span = cm.group_span(cp, tp, topology.devices_per_node)
-    kv_bytes = tokens * 2 * shape.kv_heads * shape.head_dim * _BF16_BYTES / tp
+    kv_bytes = layer.tokens * 2 * shape.kv_heads * shape.head_dim * _BF16_BYTES / tp
     cp_send = (cp - 1) * cm.send_time_s(kv_bytes, *_level(topology, cp_span, eff)) if cp > 1 else 0.0
-    cp_exp = cm.exposed_s(cp_send, att_s) + cm.exposed_s(2 * cp_send, 2 * att_s)
+    return cm.exposed_s(cp_send, layer.att_s) + cm.exposed_s(2 * cp_send, 2 * layer.att_s)
 
-    # --- FSDP per layer per micro-batch ---------------------------------------------------------
-    fsdp_exp_layer = fsdp_first = 0.0
-    if layout.fsdp > 1:
-        data_span = cm.group_span(layout.data * cp, tp, topology.devices_per_node)
-        ag = cm.collective_time_s("all-gather", shape.layer_params / tp * software.param_gather_bytes,
-                                  data_span, topology, eff)
-        rs = cm.collective_time_s("reduce-scatter", shape.layer_params / tp * software.grad_reduce_bytes,
-                                  data_span, topology, eff)
-        fsdp_exp_layer = cm.exposed_s(ag, fwd_s) + cm.exposed_s(ag + rs, bwd_s)
-        fsdp_first = ag
 
-    # --- stages, micro-batches, the pipeline ----------------------------------------------------
-    layers_per_stage = shape.layers / pp
-    # The LM head and loss run on the last stage (every GPU without pipelining), in bf16.
-    head_f = shape.head_forward_flops(tokens) / tp
-    head_s = 3 * cm.matmul_time_s(head_f, bf16_peak, head_f, mm_max, eff.matmul_half_flops) + cm.memory_time_s(
-        _LOSS_BYTES_PER_LOGIT * tokens * shape.vocab / tp, dev.hbm_bytes_per_s)
-    layer_s = fwd_s + bwd_s
-    stage_compute_s = layers_per_stage * layer_s + head_s
+def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+                  eff: cm.Efficiency) -> tuple[float, float]:
+    """FSDP per layer and micro-batch: (exposed gather + scatter time, the first layer's gather,
+    which cannot be prefetched)."""
+    if layout.fsdp <= 1:
+        return 0.0, 0.0
+    data_span = cm.group_span(layout.data * layout.cp, layout.tp, topology.devices_per_node)
+    ag = cm.collective_time_s("all-gather", shape.layer_params / layout.tp * software.param_gather_bytes,
+                              data_span, topology, eff)
+    rs = cm.collective_time_s("reduce-scatter", shape.layer_params / layout.tp * software.grad_reduce_bytes,
+                              data_span, topology, eff)
+    return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s), ag
+
+
+def _head_s(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, eff: cm.Efficiency) -> float:
+    """The LM head and loss, forward and backward, on the last stage (every GPU without
+    pipelining), in bf16."""
+    dev = topology.device
+    head_f = shape.head_forward_flops(layer.tokens) / layout.tp
+    mm_max = eff.matmul_max_for(dev.name)
+    return 3 * cm.matmul_time_s(head_f, dev.peak_flops["bfloat16"], head_f, mm_max, eff.matmul_half_flops) + \
+        cm.memory_time_s(_LOSS_BYTES_PER_LOGIT * layer.tokens * shape.vocab / layout.tp, dev.hbm_bytes_per_s)
+
+
+def _pp_send_s(layer: _Layer, layout: Layout, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+    """Pipeline sends: one activation forward and one gradient backward per micro-batch."""
+    if layout.pp <= 1:
+        return 0.0
+    pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
+    level, link_eff = _level(topology, pp_span, eff)
+    send_bytes = layer.act_bytes / (layout.tp if software.sequence_parallel else 1)
+    return layout.micro_batches * 2 * cm.send_time_s(send_bytes, level, link_eff)
+
+
+def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Layout,
+                topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+    """Data-parallel gradient sync once per step (FSDP's runs per layer instead): a reduce-scatter
+    and a parameter all-gather with a sharded optimizer, else one all-reduce; overlapped with one
+    micro-batch's backward and forward where the framework does so."""
+    if layout.fsdp > 1 or layout.data * layout.cp <= 1:
+        return 0.0
+    span = cm.group_span(layout.data * layout.cp, layout.tp, topology.devices_per_node)
+    if software.sharded_optimizer:
+        rs = cm.collective_time_s("reduce-scatter", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
+        ag = cm.collective_time_s("all-gather", params_per_gpu * software.param_gather_bytes, span, topology, eff)
+    else:
+        rs = cm.collective_time_s("all-reduce", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
+        ag = 0.0
+    if not software.dp_overlap:
+        return rs + ag
+    one_mb_bwd = layers_per_stage * layer.bwd_s / layout.virtual_stages
+    one_mb_fwd = layers_per_stage * layer.fwd_s / layout.virtual_stages
+    return cm.exposed_s(rs, one_mb_bwd) + cm.exposed_s(ag, one_mb_fwd)
+
+
+def _optimizer_s(params_per_gpu: float, layout: Layout, topology: Topology, software: Software) -> float:
+    """AdamW over the parameters this GPU owns (its share when the optimizer state is sharded)."""
+    shards = layout.data * layout.cp if (software.sharded_optimizer or layout.fsdp > 1) else 1
+    return cm.memory_time_s(_ADAMW_BYTES_PER_PARAM * params_per_gpu / shards, topology.device.hbm_bytes_per_s)
+
+
+def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+               eff: cm.Efficiency) -> StepBreakdown:
+    """Seconds of one optimizer step, by cause (see the module docstring for the model)."""
+    # One layer, one micro-batch: compute, and the tensor, context and FSDP collectives left exposed.
+    layer = _layer(shape, layout, topology, software, eff)
+    tp_exp = _tp_exposed(layer, layout, topology, software, eff)
+    cp_exp = _cp_exposed(layer, shape, layout, topology, eff)
+    fsdp_exp_layer, fsdp_first = _fsdp_exposed(layer, shape, layout, topology, software, eff)
+
+    # Stages, micro-batches, the pipeline.
+    layers_per_stage = shape.layers / layout.pp
+    stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + _head_s(layer, shape, layout, topology, eff)
     stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
     m = layout.micro_batches
     stage_mb_s = stage_compute_s + stage_exposed_s
-    bubble_s = (pp - 1) / layout.virtual_stages * stage_mb_s if pp > 1 else 0.0
+    bubble_s = (layout.pp - 1) / layout.virtual_stages * stage_mb_s if layout.pp > 1 else 0.0
 
-    pp_send_s = 0.0
-    if pp > 1:
-        pp_span = cm.group_span(pp, tp * cp * layout.data, topology.devices_per_node)
-        level, link_eff = _level(topology, pp_span, eff)
-        send_bytes = act_bytes / (tp if software.sequence_parallel else 1)
-        pp_send_s = m * 2 * cm.send_time_s(send_bytes, level, link_eff)
-
-    # --- data-parallel gradient sync and the optimizer, once per step --------------------------
-    stage_params = shape.layers / pp * shape.layer_params + shape.embedding_params / min(pp, 2)
-    params_per_gpu = stage_params / tp
-    dp_exp = 0.0
-    if layout.fsdp <= 1 and layout.data * cp > 1:
-        span = cm.group_span(layout.data * cp, tp, topology.devices_per_node)
-        if software.sharded_optimizer:
-            rs = cm.collective_time_s("reduce-scatter", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
-            ag = cm.collective_time_s("all-gather", params_per_gpu * software.param_gather_bytes, span, topology, eff)
-        else:
-            rs = cm.collective_time_s("all-reduce", params_per_gpu * software.grad_reduce_bytes, span, topology, eff)
-            ag = 0.0
-        if software.dp_overlap:
-            one_mb_bwd = layers_per_stage * bwd_s / layout.virtual_stages
-            one_mb_fwd = layers_per_stage * fwd_s / layout.virtual_stages
-            dp_exp = cm.exposed_s(rs, one_mb_bwd) + cm.exposed_s(ag, one_mb_fwd)
-        else:
-            dp_exp = rs + ag
-    shards = layout.data * cp if (software.sharded_optimizer or layout.fsdp > 1) else 1
-    optimizer_s = cm.memory_time_s(_ADAMW_BYTES_PER_PARAM * params_per_gpu / shards, dev.hbm_bytes_per_s)
+    # Data-parallel gradient sync and the optimizer, once per step.
+    stage_params = shape.layers / layout.pp * shape.layer_params + shape.embedding_params / min(layout.pp, 2)
+    params_per_gpu = stage_params / layout.tp
 
     return StepBreakdown(
         compute_s=m * stage_compute_s,
@@ -311,9 +358,9 @@ def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software
         tp_exposed_s=m * layers_per_stage * tp_exp,
         cp_exposed_s=m * layers_per_stage * cp_exp,
         fsdp_exposed_s=m * (layers_per_stage * fsdp_exp_layer + fsdp_first),
-        dp_exposed_s=dp_exp,
-        pp_send_s=pp_send_s,
-        optimizer_s=optimizer_s,
+        dp_exposed_s=_dp_exposed(layer, layers_per_stage, params_per_gpu, layout, topology, software, eff),
+        pp_send_s=_pp_send_s(layer, layout, topology, software, eff),
+        optimizer_s=_optimizer_s(params_per_gpu, layout, topology, software),
     )
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 
+from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
-from xlaopt.topology import Topology
 
 # (compute capability, SMs, boost clock GHz, HBM bytes/s, HBM bytes, L2 bytes, smem per SM,
 #  smem per block opt-in, device name)

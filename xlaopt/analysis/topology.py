@@ -125,7 +125,7 @@ def cpu_simulation(devices: int, host_flops: float | None = None) -> Topology:
     """Simulated CPU devices: one node, one level (host memory copies). The host's measured
     matmul peak is shared by all simulated devices."""
     if host_flops is None:
-        from xlaopt.cpu_peak import measure_cpu_matmul_peak
+        from xlaopt.analysis.cpu_peak import measure_cpu_matmul_peak
 
         host_flops = measure_cpu_matmul_peak("float32")
     per_device = host_flops / devices

@@ -11,7 +11,7 @@ import pathlib
 import numpy as np
 import tensorstore as ts
 
-_CRC = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+from xlaopt.io.crc32c import CODECS as _CRC
 
 
 def array_spec(path: str | os.PathLike, shape, dtype: str, chunk=None, inner=None, create: bool = True,

@@ -5,12 +5,12 @@ The CSV schema is ../shared/calibration/README.md (one row per published run: ma
 shape, batch, parallel degrees, recomputation, precision, and the measured `step_time_s` or
 `tokens_per_s_per_gpu`). Two methods price a row:
 
-- "analytic" (the default; seconds for all rows): `xlaopt.analytic.price_step`, which also
+- "analytic" (the default; seconds for all rows): `xlaopt.analysis.analytic.price_step`, which also
   prices what xlaopt does not build (pipeline bubble and stage sends, context-parallel rings).
 - "compiled": where the layout is one xlaopt builds (data / FSDP / tensor parallel, at most 512
   devices, bf16), xlaopt's generic decoder at the row's full size is compiled on a mesh with the
   row's degrees and the HLO priced by the schedule simulator with the same efficiencies
-  (`xlaopt.calibrate_compiled`; 10 to 40 s per row on two CPU cores). Other rows fall back to
+  (`xlaopt.analysis.calibrate_compiled`; 10 to 40 s per row on two CPU cores). Other rows fall back to
   "analytic" with the reason the compiled method could not take them.
 
 Rows that cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not
@@ -30,10 +30,10 @@ import pathlib
 
 import numpy as np
 
-from xlaopt import costmodel as cm
-from xlaopt.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.analysis.topology import Topology, TopologyError, preset
 from xlaopt.errors import UserError
-from xlaopt.topology import Topology, TopologyError, preset
 
 REQUIRED_COLUMNS = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "model", "layers", "d_model", "heads",
                     "kv_heads", "ffn", "vocab", "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp",
@@ -338,7 +338,7 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
               method: str = "analytic", attention: str = "kernel", log=None) -> dict:
     """Per-row predictions with `eff`, summary errors, and leave-one-out figures (refit without
     each modelled row, predict it). `method` "compiled" compiles the rows it can (see the module
-    docstring; `attention` as in `xlaopt.calibrate_compiled`) and prices the rest analytically;
+    docstring; `attention` as in `xlaopt.analysis.calibrate_compiled`) and prices the rest analytically;
     `log(message)` hears about each compilation."""
     if method not in METHODS:
         raise UserError(f"calibration method {method!r}; use one of {', '.join(METHODS)}")
@@ -395,7 +395,7 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
     """Row id -> its `CompiledStep`, or why it was not compiled. Asks for the simulated CPU
     devices the largest compilable row needs first (possible only before JAX starts its backends;
     a row needing more than the process has then says so)."""
-    from xlaopt import calibrate_compiled as cc
+    from xlaopt.analysis import calibrate_compiled as cc
     from xlaopt.mesh import request_cpu_devices
 
     blockers = {p.run.id: cc.compile_blocker(p) for p in priced}

@@ -14,8 +14,8 @@ Targets:
   `MAX_SIMULATED_DEVICES` (512). The CPU schedule has no async collectives: every collective is
   exposed. Its CPU-only artefacts are undone when pricing (bf16 matmuls priced at the bf16 peak,
   collectives at their bf16 bytes, all-reduce + slice priced as reduce-scatter; see
-  `xlaopt.simulate`).
-- `gpu`: compiled deviceless for the topology's GPUs (`xlaopt.gpu_aot`, the `gpu-aot` extra), any
+  `xlaopt.analysis.simulate`).
+- `gpu`: compiled deviceless for the topology's GPUs (`xlaopt.analysis.gpu_aot`, the `gpu-aot` extra), any
   mesh up to the topology's size: XLA's real GPU schedule, async collectives and what overlaps them.
 """
 from __future__ import annotations
@@ -24,12 +24,11 @@ import json
 import math
 import time
 
+from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
+from xlaopt.execution import TARGETS
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MESH_AXES
 from xlaopt.program import TrainProgram
-from xlaopt.topology import Topology
-
-TARGETS = ("cpu", "gpu")
 
 
 def check_fits(program: TrainProgram, topology: Topology) -> None:
@@ -43,7 +42,7 @@ def _compiled(program: TrainProgram, topology: Topology, target: str):
     from xlaopt.compile import CompiledProgram
 
     if target == "gpu":
-        from xlaopt.gpu_aot import gpu_mesh
+        from xlaopt.analysis.gpu_aot import gpu_mesh
 
         compiled = CompiledProgram(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES))
     else:
@@ -59,24 +58,28 @@ def _compiled(program: TrainProgram, topology: Topology, target: str):
     return compiled, t1 - t0, time.perf_counter() - t1
 
 
-def analyze(program: TrainProgram, topology: Topology, target: str = "cpu", trace: str | None = None,
+def analyze(program: TrainProgram, topology: Topology, target: str | None = None, trace: str | None = None,
             dump_dir: str | None = None) -> dict:
-    """Compile `program`'s step for `target`, simulate its schedule on `topology`; JSON-ready.
+    """Compile `program`'s step for `target` (default: the program's own), simulate its schedule on
+    `topology`; JSON-ready.
     `trace`: write the simulated timeline there (Perfetto JSON); `dump_dir`: write the compiled
     (scheduled) HLO there as `analyzed-<target>.compiled.hlo`."""
     return analyze_with_sim(program, topology, target, trace, dump_dir, keep_timeline=False)[0]
 
 
-def analyze_with_sim(program: TrainProgram, topology: Topology, target: str = "cpu", trace: str | None = None,
+def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | None = None, trace: str | None = None,
                      dump_dir: str | None = None, keep_timeline: bool = True):
     """`analyze`, also handing back the `SimResult` it priced (with its event timeline when
-    `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.notebook` draws from it."""
+    `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.analysis.notebook` draws from it."""
+    from xlaopt.analysis.schedule import build_schedule
+    from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
     from xlaopt.families import family_of
-    from xlaopt.schedule import build_schedule
-    from xlaopt.simulate import bounds, mfu, simulate, to_perfetto
 
+    target = program.target if target is None else target
     if target not in TARGETS:
         raise UserError(f"--target {target!r}; use one of {', '.join(TARGETS)}")
+    if target != program.target:
+        program = program.replace(target=target)  # its compiler options are checked against the new target
     check_fits(program, topology)
     compiled, lower_s, compile_s = _compiled(program, topology, target)
     executable = compiled.train_step

@@ -1,7 +1,7 @@
 """Cost-model primitives: compute by a roofline, collectives by algorithm over link levels.
 
 Pure Python (no JAX): the same functions price an analytic description of a training step
-(`xlaopt.calibrate`) and, later, the collectives read from compiled HLO.
+(`xlaopt.analysis.calibrate`) and, later, the collectives read from compiled HLO.
 
 - Compute: matmul FLOPs run at the dtype's datasheet peak times an efficiency that grows with
   the size of the matmul, e = matmul_max * x / (x + matmul_half_flops), x the per-GPU FLOPs of
@@ -16,7 +16,7 @@ Pure Python (no JAX): the same functions price an analytic description of a trai
   bandwidth is one efficiency per link kind (NVLink vs network).
 - Point-to-point sends (pipeline stages): one latency plus bytes / achieved bandwidth.
 
-Volumes follow the scaling-book convention used in `xlaopt.hlo`: V is the size of the whole
+Volumes follow the scaling-book convention used in `xlaopt.analysis.hlo`: V is the size of the whole
 array (all-gather result, reduce-scatter operand, all-reduce operand).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from xlaopt.topology import LinkLevel, Topology
+from xlaopt.analysis.topology import LinkLevel, Topology
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -63,11 +63,11 @@ class Efficiency:
         return self.matmul_max_ampere if "A100" in device_name else self.matmul_max
 
 
-# Fitted by `xlaopt.calibrate.fit`: Nelder-Mead from `calibrate.FIT_START` (restarted once from
+# Fitted by `xlaopt.analysis.calibrate.fit`: Nelder-Mead from `calibrate.FIT_START` (restarted once from
 # its best point), minimising the mean |log(predicted / measured)| over all 11 rows of
 # ../shared/calibration/published_runs.csv (MaxText R01; TorchTitan R05, R06, R08; NeMo R11, R12,
 # R13; Megatron-Bridge R14, R16; Megatron-LM R21; LLM Foundry R23), every row weighted equally and
-# priced by `xlaopt.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
+# priced by `xlaopt.analysis.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
 # separate them, see `calibrate._FRACTIONS`); rounded to 3 significant figures.
 # tests/test_calibrate.py refits and checks these values; `xlaopt calibrate --runs CSV` prints
 # the per-row and leave-one-out errors. Do not retune against single rows: other published runs

@@ -9,18 +9,20 @@ most matmul FLOPs (an upper bound; the branch taken is not known statically).
 Each op carries:
 - kind: "compute", "collective" (synchronous: the compute stream waits for it),
   "collective-start" / "collective-done" (an async pair: `all-gather-start`, `all-reduce-start`,
-  `collective-permute-start`, or `async-start` wrapping a `reduce-scatter` / `all-to-all`), or
-  "free" (parameter, constant, tuple plumbing, bitcast: no work);
+  `collective-permute-start`, or `async-start` wrapping a `reduce-scatter` / `all-to-all`),
+  "send" / "recv" / "send-done" / "recv-done" (point-to-point transfers, their source-target
+  pairs as the groups), "copy-start" / "copy-done" (an async copy, `host_transfer` when one side
+  is host memory), or "free" (parameter, constant, tuple plumbing, bitcast: no work);
 - flops: matmul FLOPs, per device, from shapes: a dot is 2 * prod(result dims) * prod(lhs
   contracting dims); a convolution 2 * prod(result) * prod(kernel) / output features; a fusion the
   sum over the dots in its fused computation; a cuBLAS gemm custom call from its dot dimension
   numbers. Elementwise arithmetic is not counted (it is memory-bound and priced by bytes);
 - bytes: memory traffic, operand + result sizes; a slice read inside a fusion (dynamic-slice of a
   parameter) counts the slice, an in-place dynamic-update-slice counts the update, not the buffer;
-- for collectives: kind, bytes in the scaling-book convention of `xlaopt.hlo`, replica groups, and
+- for collectives: kind, bytes in the scaling-book convention of `xlaopt.analysis.hlo`, replica groups, and
   `narrow_bytes`: the bytes if every operand that is a widening convert (bf16 -> f32) travelled in
   its narrow type. XLA's CPU pipeline widens bf16 collectives to f32 (a gather of a bf16 weight
-  becomes a gather of its f32 re-widening); a GPU compile moves the bf16. `xlaopt.simulate` can
+  becomes a gather of its f32 re-widening); a GPU compile moves the bf16. `xlaopt.analysis.simulate` can
   price either.
 
 `Schedule.async_windows()` lists, for every async collective, what the schedule places between
@@ -31,26 +33,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import re
 from typing import Iterator
 
-from xlaopt import hlo
+from xlaopt.analysis import hlo
+from xlaopt.analysis.hlo import Instruction
 
-SYNC_KINDS = hlo.KINDS + ("collective-broadcast", "ragged-all-to-all")
 FREE_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
-    "add-dependency", "opt-barrier", "domain", "copy-start", "copy-done", "while", "call", "conditional",
+    "add-dependency", "opt-barrier", "domain", "while", "call", "conditional",
 })
+# Async transfers that are not collectives: their op kind is their opcode.
+TRANSFER_OPCODES = frozenset({"copy-start", "copy-done", "send", "recv", "send-done", "recv-done"})
+_HOST_MEMORY = re.compile(r"S\(5\)")  # XLA's host memory space, in a layout: f32[8]{0:S(5)}
 _DOT_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveInfo:
-    kind: str  # one of SYNC_KINDS (the `-start` suffix dropped)
-    bytes: int  # per execution, scaling-book convention (see xlaopt.hlo)
+    kind: str  # one of hlo.COLLECTIVE_OPCODES (the `-start` suffix dropped)
+    bytes: int  # per execution, scaling-book convention (see xlaopt.analysis.hlo)
     narrow_bytes: int  # the same with widening converts undone (see module docstring)
     replica_groups: tuple[tuple[int, ...], ...]
     # All-reduce only: the fraction of its bytes whose every use keeps only this device's 1/n
@@ -67,11 +70,11 @@ class CollectiveInfo:
 class Op:
     name: str
     opcode: str
-    kind: str  # compute | collective | collective-start | collective-done | free
+    kind: str  # compute | collective | collective-start | collective-done | one of TRANSFER_OPCODES | free
     computation: str
     position: int  # index in its computation's schedule
     flops: float = 0.0
-    bytes: int = 0
+    bytes: int = 0  # a copy-start: the bytes of the array it copies
     matmuls: tuple[float, ...] = ()  # FLOPs of each matmul inside (efficiency depends on size)
     dtype: str | None = None  # element type of the matmul operands, e.g. "bf16"
     collective: CollectiveInfo | None = None
@@ -79,6 +82,9 @@ class Op:
     # A fusion that only widens a value it first narrowed (f32 -> bf16 -> f32): XLA's CPU pipeline
     # emits these around bf16 work it runs in f32; a GPU compile has no such op.
     widening_roundtrip: bool = False
+    # copy-start / send / recv between host and device memory (a memory space S(5) layout, or
+    # is_host_transfer=true) rather than inside device memory or between devices.
+    host_transfer: bool = False
 
 
 @dataclasses.dataclass
@@ -122,58 +128,32 @@ class Schedule:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One instruction line of a compiled computation, split into its parts."""
-    name: str
-    result: str  # result type text
-    opcode: str
-    operands: tuple[str, ...]
-    args: str  # the text inside the parentheses (a parameter's index, a constant's value)
-    attrs: str
-    is_root: bool
-
-
-def _split_operands(rest: str) -> tuple[str, str]:
-    """`rest` is everything after `opcode(`: return (operand text, attribute text)."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return rest[:i], rest[i + 1:]
-    return rest, ""
-
-
-def _parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
-    comps, entry = hlo.computations(hlo_text)
-    parsed: dict[str, list[Instruction]] = {}
-    for comp, lines in comps.items():
-        instrs = []
-        for line in lines:
-            m = hlo.INSTRUCTION.match(line)
-            if not m:
-                continue
-            operand_text, attrs = _split_operands(m.group(5))
-            instrs.append(Instruction(m.group(2), m.group(3), m.group(4), tuple(_OPERAND.findall(operand_text)),
-                                      operand_text, attrs, bool(m.group(1))))
-        parsed[comp] = instrs
-    return parsed, entry
-
-
 def _int_list(attrs: str, key: str) -> list[int]:
     m = re.search(key + r"=\{([0-9,]*)\}", attrs)
     return [int(x) for x in m.group(1).split(",") if x] if m else []
 
+
+
+def _per_instance(method):
+    """`functools.cache` for a method, held by the instance: a cache on the class would keep
+    every reader (and its whole module text) alive for as long as the process runs."""
+    key = "_memo_" + method.__name__
+
+    @functools.wraps(method)
+    def cached(self, *args):
+        memo = self.__dict__.setdefault(key, {})
+        if args not in memo:
+            memo[args] = method(self, *args)
+        return memo[args]
+
+    return cached
 
 class HloReader:
     """A compiled module's instructions per computation (`comps`, in schedule order), each
     computation's result types by instruction name (`types`), and the entry's name (`entry`)."""
 
     def __init__(self, hlo_text: str):
-        self.comps, self.entry = _parse(hlo_text)
+        self.comps, self.entry = hlo.parse(hlo_text)
         self.types = {c: {i.name: i.result for i in instrs} for c, instrs in self.comps.items()}
 
     # --- FLOPs -------------------------------------------------------------------------
@@ -223,7 +203,7 @@ class HloReader:
                 return self._fused_matmuls(callee)
         return (), None
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _fused_matmuls(self, comp: str) -> tuple[tuple[float, ...], str | None]:
         found: list[float] = []
         dtype = None
@@ -244,7 +224,7 @@ class HloReader:
         """Bytes of each operand of `ins`, an instruction of computation `comp`."""
         return [hlo.shape_bytes(self.types[comp].get(o, "")) for o in ins.operands]
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _fusion_access(self, comp: str) -> tuple[dict[int, int], int | None]:
         """For a fused computation: parameter index -> bytes actually touched (a parameter read
         only through dynamic-slices counts the slices; the buffer of an in-place
@@ -297,7 +277,7 @@ class HloReader:
         return sum(operands) + result
 
     # --- collectives -------------------------------------------------------------------
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _users(self, comp: str) -> dict[str, list[tuple[Instruction, int]]]:
         users: dict[str, list[tuple[Instruction, int]]] = {}
         for ins in self.comps.get(comp, []):
@@ -305,7 +285,7 @@ class HloReader:
                 users.setdefault(o, []).append((ins, k))
         return users
 
-    @functools.lru_cache(maxsize=None)
+    @_per_instance
     def _params(self, comp: str) -> dict[int, str]:
         out = {}
         for ins in self.comps.get(comp, []):
@@ -389,21 +369,11 @@ class HloReader:
         return min(1.0, hlo.DTYPE_BYTES[src[0][0]] / hlo.DTYPE_BYTES[dst[0][0]])
 
     def collective(self, comp: str, ins: Instruction) -> CollectiveInfo | None:
-        target = ins
-        if ins.opcode == "async-start":
-            callee = self.callee(ins, "calls")
-            target = next((i for i in self.comps.get(callee, []) if i.opcode in SYNC_KINDS), None)
-            if target is None:
-                return None
-        op = target.opcode
-        kind = op.removesuffix("-start")
-        if kind not in SYNC_KINDS:
+        read = hlo.read_collective(ins, self.comps)
+        if read is None:
             return None
-        groups = hlo.parse_replica_groups(target.attrs)
-        size = len(groups[0]) if groups else 1
-        nbytes = hlo.collective_bytes(kind, op, target.result, size) if kind in hlo.KINDS else \
-            hlo.shape_bytes(target.result)
-        operands = ins.operands if ins.opcode == "async-start" else target.operands
+        target, nbytes, groups, size = read.target, read.bytes, read.replica_groups, read.group_size
+        operands = ins.operands  # an async-start's operands are its collective's
         ratios = [self._widening_ratio(comp, o) for o in operands]
         if len(ratios) == 1:
             narrow = int(nbytes * ratios[0])
@@ -414,27 +384,42 @@ class HloReader:
             else:
                 narrow = nbytes
         scattered = self._scattered_fraction(comp, ins, size) if ins.opcode == "all-reduce" else 0.0
-        return CollectiveInfo(kind, nbytes, narrow, groups, scattered)
+        return CollectiveInfo(read.kind, nbytes, narrow, groups, scattered)
 
     # --- ops ---------------------------------------------------------------------------
     def op(self, comp: str, position: int, ins: Instruction) -> Op:
         base = dict(name=ins.name, opcode=ins.opcode, computation=comp, position=position, operands=ins.operands)
         if ins.opcode in FREE_OPCODES:
             return Op(kind="free", **base)
-        if ins.opcode.endswith("-done") and ins.opcode != "copy-done":
+        if ins.opcode in TRANSFER_OPCODES:
+            return self._transfer(comp, ins, base)
+        if ins.opcode.endswith("-done"):
             return Op(kind="collective-done", **base)
-        if ins.opcode in SYNC_KINDS or (ins.opcode.endswith("-start") and ins.opcode.removesuffix("-start")
-                                        in SYNC_KINDS) or ins.opcode == "async-start":
-            info = self.collective(comp, ins)
-            if info is not None:
-                kind = "collective" if ins.opcode in SYNC_KINDS else "collective-start"
-                return Op(kind=kind, collective=info, **base)
+        info = self.collective(comp, ins)
+        if info is not None:
+            kind = "collective" if ins.opcode in hlo.COLLECTIVE_OPCODES else "collective-start"
+            return Op(kind=kind, collective=info, **base)
         matmuls, dtype = self.matmuls(comp, ins)
         roundtrip = ins.opcode == "fusion" and self._is_roundtrip(self.callee(ins, "calls"))
         return Op(kind="compute", flops=float(sum(matmuls)), bytes=self.op_bytes(comp, ins), matmuls=matmuls,
                   dtype=dtype, widening_roundtrip=roundtrip, **base)
 
-    @functools.lru_cache(maxsize=None)
+    def _transfer(self, comp: str, ins: Instruction, base: dict) -> Op:
+        """copy-start (its bytes: the copied operand), send / recv (their bytes: the data array,
+        first in their result (data, context, token); their groups: the source-target pairs), and
+        their dones."""
+        if ins.opcode == "copy-start":
+            source = self.types[comp].get(ins.operands[0], "") if ins.operands else ""
+            host = bool(_HOST_MEMORY.search(ins.result) or _HOST_MEMORY.search(source))
+            return Op(kind="copy-start", bytes=hlo.shape_bytes(source), host_transfer=host, **base)
+        if ins.opcode in ("send", "recv"):
+            data = hlo.shape_dims(ins.result)[:1]
+            nbytes = sum(hlo.DTYPE_BYTES[d] * math.prod(dims) for d, dims in data)
+            info = CollectiveInfo(ins.opcode, nbytes, nbytes, hlo.parse_replica_groups(ins.attrs))
+            return Op(kind=ins.opcode, collective=info, host_transfer="is_host_transfer=true" in ins.attrs, **base)
+        return Op(kind=ins.opcode, **base)
+
+    @_per_instance
     def _is_roundtrip(self, comp: str | None) -> bool:
         instrs = self.comps.get(comp or "", [])
         if not instrs or any(i.opcode not in ("parameter", "convert", "bitcast", "copy") for i in instrs):
@@ -447,19 +432,6 @@ class HloReader:
             return False
         dtype = params[0][0][0]
         return hlo.shape_dims(root.result)[0][0] == dtype and min(widths) < hlo.DTYPE_BYTES[dtype]
-
-
-def _trip_count(ins: Instruction) -> int | None:
-    m = hlo.TRIP_COUNT.search(ins.attrs)
-    if m:
-        return int(m.group(1))
-    m = re.search(r"backend_config=(\{.*\})", ins.attrs)
-    if m:
-        try:
-            return int(json.loads(m.group(1))["known_trip_count"]["n"])
-        except (ValueError, KeyError, TypeError):
-            return None
-    return None
 
 
 def build_schedule(hlo_text: str) -> Schedule:
@@ -482,7 +454,7 @@ def build_schedule(hlo_text: str) -> Schedule:
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
             if ins.opcode == "while":
                 body = reader.callee(ins, "body")
-                trips = _trip_count(ins)
+                trips = hlo.trip_count(ins.attrs)
                 if ins.name not in seen_loops:
                     seen_loops.add(ins.name)
                     loops.append({"name": ins.name, "computation": comp, "body": body,

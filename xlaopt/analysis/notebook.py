@@ -1,7 +1,7 @@
 """The compiled step in a notebook: one call compiles, simulates and returns a view that Jupyter
 renders as HTML tables and an SVG timeline, and that stays plain data (JSON in, JSON out).
 
-    from xlaopt.notebook import show
+    from xlaopt.analysis.notebook import show
     view = show(program, "h100:1x8")   # an Analysis; the last line of a cell renders it
     view.collectives_table()           # any one table on its own
     view.to_json()                     # the same data: analyze's JSON plus the timeline events
@@ -9,7 +9,7 @@ renders as HTML tables and an SVG timeline, and that stays plain data (JSON in, 
 Nothing here imports IPython or matplotlib: objects render through `_repr_html_`, which
 Jupyter calls, and the timeline is SVG written here. Every string put into HTML is escaped.
 
-An `Analysis` holds `result` (the dict `xlaopt.analyze.analyze` returns, JSON-normalised) and
+An `Analysis` holds `result` (the dict `xlaopt.analysis.analyze.analyze` returns, JSON-normalised) and
 `timeline` (the simulated `Event`s: the compute stream, compute blocked on communication, and
 the communication stream). The tables are computed from those two on demand.
 """
@@ -22,7 +22,7 @@ import json
 import math
 from typing import Any, Sequence
 
-from xlaopt.simulate import Event
+from xlaopt.analysis.simulate import Event
 
 # Lanes top to bottom: (stream, label). "wait" is the compute stream blocked on a collective.
 LANES = (("compute", "compute"), ("wait", "blocked on comm"), ("comm", "communication"))
@@ -228,7 +228,7 @@ def _plain(value):
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class Analysis:
-    """`xlaopt.analyze`'s result for one compiled step and its simulated timeline; renders in
+    """`xlaopt.analysis.analyze`'s result for one compiled step and its simulated timeline; renders in
     Jupyter (`_repr_html_`), round-trips through JSON (`to_json` / `from_json`)."""
     result: dict
     timeline: tuple[Event, ...] = ()
@@ -358,11 +358,11 @@ class Analysis:
         return f'<div class="xlaopt-view"><style>{_STYLE}</style>{head}{timeline}{tables}{notes}</div>'
 
 
-def show(program, topology="h100:1x8", target: str = "cpu") -> Analysis:
-    """Compile `program`'s step for `target`, simulate it on `topology` (a Topology or a spec
+def show(program, topology="h100:1x8", target: str | None = None) -> Analysis:
+    """Compile `program`'s step for `target` (default: the program's own), simulate it on `topology` (a Topology or a spec
     such as "h100:1x8") and return the Analysis; the last line of a notebook cell renders it."""
-    from xlaopt.analyze import analyze_with_sim
-    from xlaopt.topology import parse_topology
+    from xlaopt.analysis.analyze import analyze_with_sim
+    from xlaopt.analysis.topology import parse_topology
 
     if isinstance(topology, str):
         topology = parse_topology(topology)

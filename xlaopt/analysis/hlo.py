@@ -1,9 +1,16 @@
-"""Read collectives out of compiled (scheduled) HLO text.
+"""Read compiled (scheduled) HLO text: its instructions, while-loop trip counts, collectives.
 
-Each collective is reported with its kind, bytes, replica groups, the mesh axes those groups
-span, the topology link level they cross, its position in its computation's schedule and how
-many times it runs per step (collectives inside a scanned layer's while body run once per
-trip). An async pair (`-start` / `-done`) is one collective, counted at its `-start`.
+This is the one reader of HLO text the analysis uses: `parse` splits a module into its
+computations' instructions, `trip_count` reads a while loop's known trip count, and
+`read_collective` says which collective an instruction runs or starts; `xlaopt.analysis.schedule`
+builds on all three.
+
+`collectives` reports each collective with its kind, bytes, replica groups, the mesh axes those
+groups span, the topology link level they cross, its position in its computation's schedule and
+how many times it runs per step (collectives inside a scanned layer's while body run once per
+trip). An async pair is one collective, counted at its start, never at its done: a `-start`
+(`all-gather-start`, `all-reduce-start`, `collective-permute-start`) or an `async-start` whose
+called computation holds the collective (`reduce-scatter`, `all-to-all`, ...).
 
 Bytes follow the scaling-book convention, the size of the whole array the collective works on:
 all-gather its result, reduce-scatter its operand, all-reduce and all-to-all their operand.
@@ -11,12 +18,16 @@ all-gather its result, reduce-scatter its operand, all-reduce and all-to-all the
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Sequence
 
 import numpy as np
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# Every collective opcode (in its synchronous spelling): KINDS, whose bytes follow the
+# scaling-book convention below, and two whose bytes are their result's.
+COLLECTIVE_OPCODES = KINDS + ("collective-broadcast", "ragged-all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -25,6 +36,7 @@ _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLS = re.compile(r"\b(?:body|condition|to_apply|calls)=%?([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +110,8 @@ def parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...]:
         arranged = devices.reshape(sizes).transpose(rest + grouped)
         size = int(np.prod([sizes[i] for i in grouped]))
         return tuple(tuple(int(x) for x in row) for row in arranged.reshape(-1, size))
-    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", attrs)
-    if m:  # collective-permute: each (source, target) pair is a group
+    m = re.search(r"source_target_pairs=\"?\{((?:\{[0-9,]*\},?)*)\}", attrs)
+    if m:  # collective-permute, or send / recv's frontend attribute: each (source, target) pair is a group
         return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
     return ()
 
@@ -123,17 +135,71 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction line of a compiled computation, split into its parts."""
+    name: str
+    result: str  # result type text
+    opcode: str
+    operands: tuple[str, ...]
+    args: str  # the text inside the parentheses (a parameter's index, a constant's value)
+    attrs: str
+    is_root: bool
+
+
+def _split_operands(rest: str) -> tuple[str, str]:
+    """`rest` is everything after `opcode(`: return (operand text, attribute text)."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return rest[:i], rest[i + 1:]
+    return rest, ""
+
+
+def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
+    """Each computation's instructions, in schedule order, and the entry computation's name."""
+    comps, entry = computations(hlo_text)
+    parsed: dict[str, list[Instruction]] = {}
+    for comp, lines in comps.items():
+        instrs = []
+        for line in lines:
+            m = INSTRUCTION.match(line)
+            if not m:
+                continue
+            operand_text, attrs = _split_operands(m.group(5))
+            instrs.append(Instruction(m.group(2), m.group(3), m.group(4), tuple(_OPERAND.findall(operand_text)),
+                                      operand_text, attrs, bool(m.group(1))))
+        parsed[comp] = instrs
+    return parsed, entry
+
+
+def trip_count(attrs: str) -> int | None:
+    """A while loop's trip count from its attribute text (XLA's backend_config
+    `known_trip_count`), or None when XLA does not know it."""
+    m = TRIP_COUNT.search(attrs)
+    if m:
+        return int(m.group(1))
+    m = re.search(r"backend_config=(\{.*\})", attrs)
+    if m:
+        try:
+            return int(json.loads(m.group(1))["known_trip_count"]["n"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def _executions(comps: dict[str, list[Instruction]]) -> dict[str, int]:
     """How many times each computation runs per call of the entry (while bodies x trip count)."""
     runs: dict[str, int] = {}
     callers: dict[str, list[tuple[str, int]]] = {}
-    for name, lines in comps.items():
-        for line in lines:
-            trips = 1
-            if " while(" in line:
-                m = TRIP_COUNT.search(line)
-                trips = int(m.group(1)) if m else 1
-            for callee in _CALLS.findall(line):
+    for name, instrs in comps.items():
+        for ins in instrs:
+            trips = (trip_count(ins.attrs) or 1) if ins.opcode == "while" else 1
+            for callee in _CALLS.findall(ins.attrs):
                 callers.setdefault(callee, []).append((name, trips))
 
     def count(name: str, depth: int = 0) -> int:
@@ -150,25 +216,69 @@ def _executions(comps: dict[str, list[str]]) -> dict[str, int]:
     return runs
 
 
+@dataclasses.dataclass(frozen=True)
+class CollectiveRead:
+    """What `read_collective` finds: the collective's kind (the `-start` dropped), whether it is
+    the start of an async pair, the instruction that holds its groups and result (the one read,
+    or the collective an `async-start` calls), its replica groups and bytes per execution."""
+    kind: str
+    is_async: bool
+    target: Instruction
+    replica_groups: tuple[tuple[int, ...], ...]
+    bytes: int
+
+    @property
+    def group_size(self) -> int:
+        return len(self.replica_groups[0]) if self.replica_groups else 1
+
+
+def read_collective(ins: Instruction, comps: dict[str, list[Instruction]]) -> CollectiveRead | None:
+    """The collective `ins` runs or starts: a collective opcode, its `-start`, or an `async-start`
+    whose called computation (in `comps`, from `parse`) holds one. None for anything else, every
+    `-done` and `async-done` included: an async pair is read once, at its start."""
+    if ins.opcode == "async-start":
+        m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+        target = next((i for i in comps.get(m.group(1), ()) if i.opcode in COLLECTIVE_OPCODES), None) if m else None
+        if target is None:  # an async computation that is not a collective
+            return None
+        is_async = True
+    elif ins.opcode in COLLECTIVE_OPCODES:
+        target, is_async = ins, False
+    elif ins.opcode.endswith("-start") and ins.opcode.removesuffix("-start") in COLLECTIVE_OPCODES:
+        target, is_async = ins, True
+    else:
+        return None
+    op = target.opcode
+    kind = op.removesuffix("-start")
+    groups = parse_replica_groups(target.attrs)
+    size = len(groups[0]) if groups else 1
+    nbytes = collective_bytes(kind, op, target.result, size) if kind in KINDS else shape_bytes(target.result)
+    return CollectiveRead(kind, is_async, target, groups, nbytes)
+
+
+def async_computations(comps: dict[str, list[Instruction]]) -> set[str]:
+    """The computations `async-start`s call: their instructions run as part of the start."""
+    return {m.group(1) for instrs in comps.values() for ins in instrs if ins.opcode == "async-start"
+            for m in [re.search(r"calls=%?([\w.\-]+)", ins.attrs)] if m}
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topology=None) -> list[Collective]:
     """Every collective in a compiled module, in schedule order within each computation."""
-    comps, _ = computations(hlo_text)
+    comps, _ = parse(hlo_text)
     runs = _executions(comps)
+    wrapped = async_computations(comps)  # read through their async-start, not a second time
     out = []
-    for comp, lines in comps.items():
-        for position, line in enumerate(lines):
-            m = INSTRUCTION.match(line)
-            if not m:
+    for comp, instrs in comps.items():
+        if comp in wrapped:
+            continue
+        for position, ins in enumerate(instrs):
+            c = read_collective(ins, comps)
+            if c is None:
                 continue
-            result_type, op, rest = m.group(3), m.group(4), m.group(5)
-            kind = op.removesuffix("-start")
-            if kind not in KINDS or op.endswith("-done"):
-                continue
-            groups = parse_replica_groups(rest)
-            nbytes = collective_bytes(kind, op, result_type, len(groups[0]) if groups else 1)
+            groups = c.replica_groups
             out.append(Collective(
-                name=m.group(2), kind=kind, computation=comp, position=position, is_async=op.endswith("-start"),
-                bytes=nbytes, shapes=tuple(shape_dims(result_type)),
+                name=ins.name, kind=c.kind, computation=comp, position=position, is_async=c.is_async,
+                bytes=c.bytes, shapes=tuple(shape_dims(c.target.result)),
                 replica_groups=groups, executions=runs.get(comp, 1),
                 mesh_axes=group_axes(groups, mesh_shape) if mesh_shape else (),
                 link_level=topology.level_of(groups[0]).name if topology is not None and groups else None))

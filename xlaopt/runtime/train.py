@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 
+from xlaopt.analysis.hardware import mesh_peak
 from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention
 from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
@@ -17,9 +18,8 @@ from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
-from xlaopt.hardware import mesh_peak
-from xlaopt.progress import ProgressBar
 from xlaopt.program import TrainProgram
+from xlaopt.runtime.progress import ProgressBar
 from xlaopt.step import param_count
 
 

@@ -3,7 +3,7 @@ compile one training step on a mesh with the row's data / FSDP / tensor degrees,
 compiled HLO with the schedule simulator and the frozen efficiencies.
 
 It goes the way `xlaopt analyze` does (abstract parameters, the mesh-layout pass, XLA's CPU
-pipeline on one simulated CPU device per mesh device, `xlaopt.schedule` + `xlaopt.simulate` with
+pipeline on one simulated CPU device per mesh device, `xlaopt.analysis.schedule` + `xlaopt.analysis.simulate` with
 the CPU fix-ups), with these choices, each because the rows ran that way and xlaopt's decoder
 compiled on CPU would not:
 
@@ -45,7 +45,7 @@ import math
 import re
 import time
 
-from xlaopt import costmodel as cm
+from xlaopt.analysis import costmodel as cm
 from xlaopt.errors import UserError
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 
@@ -146,8 +146,8 @@ class CompiledStep:
 
     def price(self, eff: cm.Efficiency = cm.FITTED) -> dict:
         """Seconds per optimizer step and their parts, on the row's topology."""
-        from xlaopt.schedule import Schedule
-        from xlaopt.simulate import compute_time_s, simulate
+        from xlaopt.analysis.schedule import Schedule
+        from xlaopt.analysis.simulate import compute_time_s, simulate
 
         topology = self.priced.topology
         sim = lambda ops: simulate(Schedule(ops, "", [], {}), topology, self.mesh.as_dict(), eff,
@@ -174,12 +174,12 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
     """Compile `priced`'s row (see the module docstring); a string says why it cannot be."""
     import jax
 
-    from xlaopt.analyze import check_fits
+    from xlaopt.analysis.analyze import check_fits
+    from xlaopt.analysis.schedule import HloReader, build_schedule
     from xlaopt.compile import CompiledProgram
     from xlaopt.data.batch import BatchShape
     from xlaopt.pipeline import pipeline, run_pipeline
     from xlaopt.program import TrainProgram, TrainSettings
-    from xlaopt.schedule import HloReader, build_schedule
 
     if attention not in ATTENTION:
         raise ValueError(f"attention={attention!r}; use one of {', '.join(ATTENTION)}")
@@ -255,7 +255,7 @@ def _inplace_fixups(reader, ops: list) -> tuple[list, set]:
 def _inplace_bytes(reader, comp: str, fusion) -> int | None:
     """Operand + result bytes of `fusion` with widened buffers counted in place; None when no
     parameter reaches a dynamic-(update-)slice through a convert."""
-    from xlaopt import hlo
+    from xlaopt.analysis import hlo
 
     callee = reader.callee(fusion, "calls")
     instrs = reader.comps.get(callee or "", [])

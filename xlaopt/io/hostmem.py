@@ -1,4 +1,4 @@
-"""Host buffers and file opening for bulk reads (checkpoints, sample stores).
+"""Host buffers for bulk reads (checkpoints, sample stores).
 
 Fresh host memory costs more to fault in than a disk costs to fill it (measured here: 1-2 GB/s
 for 4 KiB pages on this VM). Buffers of 2 MiB and more are therefore aligned to 2 MiB, so the
@@ -8,8 +8,6 @@ and direct I/O needs to read into it."""
 from __future__ import annotations
 
 import ctypes
-import errno
-import os
 import threading
 import weakref
 
@@ -34,20 +32,6 @@ def host_copy(x) -> np.ndarray:
     out = aligned_empty(src.shape, src.dtype)
     np.copyto(out, src)
     return out
-
-
-def open_for_reading(path, direct: bool = True) -> tuple[int, bool]:
-    """(fd, is_direct): direct I/O where asked and the filesystem allows it, so the disk writes
-    into our aligned buffer without a page-cache copy (less CPU on a small host); plain reads
-    otherwise (tmpfs refuses O_DIRECT with EINVAL)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW
-    if direct and getattr(os, "O_DIRECT", 0):
-        try:
-            return os.open(path, flags | os.O_DIRECT), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags), False
 
 
 class BufferPool:
