@@ -67,22 +67,28 @@ def get_config(name: str, overrides: dict[str, Any] | None = None):
 
 def parse_overrides(name: str, items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Parse `key=value` strings for model `name` into values typed by its config's fields."""
-    hints = _field_types(config_class(name))
+    return parse_assignments(items, _field_types(config_class(name)), "--set", "config field",
+                             "--set num_layers=2")
+
+
+def parse_assignments(items, fields: dict[str, Any], flag: str, what: str, example: str) -> dict[str, Any]:
+    """`key=value` strings typed by `fields` (name -> type hint): the one parser behind the
+    command line's `--set`, `--exec` and `--pass-option`. `what` names a key in errors."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set num_layers=2")
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
+            raise ConfigError(f"{flag} {item!r}: expected key=value, e.g. {example}")
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"--set {item!r}: unknown config field {key!r}{hint}")
-        out[key] = _parse_value(key, raw.strip(), hints[key])
+            raise ConfigError(f"{flag} {item!r}: unknown {what} {key!r}{hint}; valid: {', '.join(fields) or '(none)'}")
+        out[key] = _parse_value(flag, key, raw.strip(), fields[key])
     return out
 
 
-def _parse_value(key: str, raw: str, hint: Any) -> Any:
+def _parse_value(flag: str, key: str, raw: str, hint: Any) -> Any:
     text = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
     try:
         if "tuple" in text:
@@ -99,4 +105,4 @@ def _parse_value(key: str, raw: str, hint: Any) -> Any:
             return float(raw)
         return raw
     except ValueError:
-        raise ConfigError(f"--set {key}={raw!r}: not a valid {text}") from None
+        raise ConfigError(f"{flag} {key}={raw!r}: not a valid {text}") from None

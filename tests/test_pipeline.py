@@ -80,7 +80,7 @@ def test_pass_options_are_typed_and_checked():
     assert pipeline(options)[0].constrain_activations is False and pipeline()[0].constrain_activations is True
     for item, message in [("mesh-layuot.x=1", "unknown pass 'mesh-layuot'; passes are: mesh-layout"),
                           ("mesh-layout.constrain=1", "did you mean 'constrain_activations'"),
-                          ("mesh-layout.constrain_activations=maybe", "expected true or false"),
+                          ("mesh-layout.constrain_activations=maybe", "not a valid bool"),
                           ("constrain_activations=false", "expected PASS.FIELD=VALUE")]:
         with pytest.raises(UserError, match=message):
             parse_pass_options([item])

@@ -9,11 +9,11 @@ while a different model or data is refused.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Any, get_type_hints
+from typing import get_type_hints
 
 from xlaopt.errors import UserError
 from xlaopt.models.attention import ATTENTION, AttentionSpec
+from xlaopt.models.registry import parse_assignments
 from xlaopt.models.stack import REMAT_POLICIES, STRATEGIES, StackSpec
 
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
@@ -56,22 +56,6 @@ class ExecutionConfig:
 
 def parse_execution(items: list[str] | tuple[str, ...], base: ExecutionConfig | None = None) -> ExecutionConfig:
     """`key=value` strings (the CLI's `--exec`) applied to `base`, typed by the fields."""
-    base = base or ExecutionConfig()
-    hints = get_type_hints(ExecutionConfig)
-    changes: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = (part.strip() for part in item.partition("="))
-        if not sep or not key:
-            raise UserError(f"--exec {item!r}: expected key=value, e.g. --exec remat=full")
-        if key not in hints:
-            close = difflib.get_close_matches(key, hints, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"--exec {item!r}: no execution setting {key!r}{hint}; settings: {', '.join(hints)}")
-        if hints[key] is int:
-            try:
-                changes[key] = int(raw)
-            except ValueError:
-                raise UserError(f"--exec {item!r}: {key} takes an integer") from None
-        else:
-            changes[key] = raw
-    return dataclasses.replace(base, **changes)
+    changes = parse_assignments(items, get_type_hints(ExecutionConfig), "--exec", "execution setting",
+                                "--exec remat=full")
+    return dataclasses.replace(base or ExecutionConfig(), **changes)

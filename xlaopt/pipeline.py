@@ -10,7 +10,6 @@ pass and the ones that ran before it when something goes wrong.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import pathlib
 import re
 from typing import Any, Mapping, Sequence, get_type_hints
@@ -53,6 +52,8 @@ def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pa
 
 def parse_pass_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """`pass.field=value` strings (the CLI's `--pass-option`), typed by the pass's fields."""
+    from xlaopt.models.registry import parse_assignments
+
     classes = {cls.name: cls for cls in pass_classes()}
     out: dict[str, dict[str, Any]] = {}
     for item in items:
@@ -65,24 +66,9 @@ def parse_pass_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
             raise UserError(f"--pass-option {item!r}: unknown pass {name!r}; passes are: {', '.join(classes)}")
         fields = {f.name: get_type_hints(classes[name])[f.name] for f in dataclasses.fields(classes[name])
                   if f.init and f.name not in ("name", "summary")}
-        if field not in fields:
-            close = difflib.get_close_matches(field, fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"--pass-option {item!r}: {name} has no option {field!r}{hint}; options: "
-                            f"{', '.join(fields) or '(none)'}")
-        out.setdefault(name, {})[field] = _typed(item, raw.strip(), fields[field])
+        out.setdefault(name, {}).update(parse_assignments([f"{field}={raw}"], fields, "--pass-option",
+                                                          f"{name} option", "mesh-layout.constrain_activations=false"))
     return out
-
-
-def _typed(item: str, raw: str, kind: type) -> Any:
-    if kind is bool:
-        if raw.lower() not in ("true", "false"):
-            raise UserError(f"--pass-option {item!r}: expected true or false")
-        return raw.lower() == "true"
-    try:
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise UserError(f"--pass-option {item!r}: not a valid {getattr(kind, '__name__', kind)}") from None
 
 
 def select_passes(passes: Sequence[Pass], only: Sequence[str] | None = None,
