@@ -39,7 +39,8 @@ def test_models_lists_registered_sizes(tmp_path, capsys):
 
 def test_passes_lists_the_pipeline(capsys):
     assert main(["passes"]) == 0
-    assert "mesh-layout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mesh-layout" in out and "options (--pass-option mesh-layout.FIELD=VALUE): constrain_activations=True" in out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -402,6 +402,9 @@ def cmd_passes(args) -> int:
 
     for i, p in enumerate(pipeline(), start=1):
         print(f"{i:2d}. {p.name:<24} {p.summary}")
+        options = [f"{f.name}={getattr(p, f.name)!r}" for f in dataclasses.fields(p) if f.name not in ("name", "summary")]
+        if options:
+            print(f"    {'':<24} options (--pass-option {p.name}.FIELD=VALUE): {', '.join(options)}")
     return 0
 
 
