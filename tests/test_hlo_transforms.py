@@ -99,3 +99,18 @@ def test_deviceless_gpu_compile_skips_registered_transforms_so_programs_refuse_t
     devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, ("data", "fsdp", "tensor", "context"))
     with pytest.raises(UserError, match="cannot run in a deviceless GPU compile on jax 0.10.2"):
         compile_program(program, devices).train_step  # noqa: B018
+
+
+def test_fingerprint_follows_parameters_and_code_even_without_a_source_file():
+    assert RenameInstructions(opcodes=("dot",), prefix="a_").fingerprint() == \
+        RenameInstructions(opcodes=("dot",), prefix="a_").fingerprint()
+    assert RenameInstructions(opcodes=("dot",), prefix="a_").fingerprint() != \
+        RenameInstructions(opcodes=("dot",), prefix="b_").fingerprint()
+    made = []
+    for body in ("return None", "return module_proto"):  # classes with no source file (as in python -c)
+        namespace = {}
+        exec("import dataclasses\nfrom xlaopt.transforms import HloTransform\n"
+             "@dataclasses.dataclass(frozen=True, kw_only=True)\nclass Made(HloTransform):\n"
+             f"    name = 'made'\n    def rewrite(self, module_proto):\n        {body}\n", namespace)
+        made.append(namespace["Made"]().fingerprint())
+    assert made[0] != made[1]

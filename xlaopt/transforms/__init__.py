@@ -47,5 +47,10 @@ class HloTransform:
     def fingerprint(self) -> str:
         """Changes with the parameters and with the rewrite's code, so an executable compiled
         under this transform is never mistaken for one compiled under another."""
-        source = inspect.getsource(type(self))
-        return hashlib.sha256(f"{type(self).__qualname__}|{self!r}|{source}".encode()).hexdigest()
+        cls = type(self)
+        try:
+            code = inspect.getsource(cls)
+        except (OSError, TypeError):  # defined where no source file is kept (python -c, some REPLs)
+            code = repr([(f.__code__.co_code, f.__code__.co_consts) for f in vars(cls).values()
+                         if hasattr(f, "__code__")])
+        return hashlib.sha256(f"{cls.__module__}.{cls.__qualname__}|{self!r}|{code}".encode()).hexdigest()
