@@ -4,6 +4,8 @@ Every implementation takes the same arguments, `(q_BLHK, k_BSNK, v_BSNK, q_token
 block)`, and gives [B, L, H, K]: queries over keys under the two-way mask of `masks.pair_mask`.
   dense      masked attention over every (query, key) pair;
   blockwise  scanned over key blocks of `block` keys with an online softmax (memory O(L x block));
+  segment    blocks of queries and keys, skipping the pairs no query may see (other samples,
+             the reasoner's causal future), decided per batch from the segment ids;
   io_only    a pricing stand-in with wrong values (see `attention_io_only`); never train with it.
 """
 from __future__ import annotations
@@ -29,47 +31,130 @@ def blockwise_or_dense(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -
     return blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block)
 
 
+def _pad_to_blocks(x_BL, tokens: Tokens, block: int, pad_segment: int):
+    """Pad a sequence (and its tokens) to whole blocks; padded tokens get `pad_segment`, which no
+    real token has, so nothing attends to them and they see nothing."""
+    pad = (-x_BL.shape[1]) % block
+    if not pad:
+        return x_BL, tokens
+    widths = ((0, 0), (0, pad)) + ((0, 0),) * (x_BL.ndim - 2)
+    tokens = Tokens(jnp.pad(tokens.segment_BL, ((0, 0), (0, pad)), constant_values=pad_segment),
+                    jnp.pad(tokens.is_generator_BL, ((0, 0), (0, pad))),
+                    jnp.pad(tokens.index_BL, ((0, 0), (0, pad))))
+    return jnp.pad(x_BL, widths), tokens
+
+
+def _online_update(carry, q_BLNRK, q_tokens: Tokens, k_BbNK, v_BbNK, k_tokens: Tokens):
+    """One key block into the running (max, sum, output) of the flash-attention recurrence."""
+    m_BNRL, l_BNRL, acc_BLNRK = carry
+    K = q_BLNRK.shape[-1]
+    logits = jnp.einsum("blnrk,bsnk->bnrls", q_BLNRK, k_BbNK, preferred_element_type=jnp.float32) * (K ** -0.5)
+    logits = jnp.where(pair_mask(q_tokens, k_tokens)[:, None, None], logits, -jnp.inf)
+    m_new = jnp.maximum(m_BNRL, logits.max(-1))
+    shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
+    p = jnp.exp(logits - shift[..., None])
+    rescale = jnp.where(jnp.isfinite(m_BNRL), jnp.exp(m_BNRL - shift), 0.0)
+    l_new = l_BNRL * rescale + p.sum(-1)
+    pv = jnp.einsum("bnrls,bsnk->blnrk", p.astype(v_BbNK.dtype), v_BbNK, preferred_element_type=jnp.float32)
+    return m_new, l_new, acc_BLNRK * jnp.moveaxis(rescale, -1, 1)[..., None] + pv
+
+
+def _blocks(a, block: int):
+    """[B, L, ...] -> [L / block, B, block, ...]: blocks first, for a scan."""
+    B, L = a.shape[:2]
+    return jnp.moveaxis(a.reshape((B, L // block, block) + a.shape[2:]), 1, 0)
+
+
+def _init_carry(B, L, N, R, K):
+    return (jnp.full((B, N, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, N, R, L), jnp.float32),
+            jnp.zeros((B, L, N, R, K), jnp.float32))
+
+
 def blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -> jax.Array:
     """Attention scanned over key blocks with a running max and sum (Rabe & Staats; the
     flash-attention recurrence), rematerialised in the backward pass. Masked keys add exact
     zeros, so what a query may not see cannot change its output, bit for bit."""
     B, L, H, K = q_BLHK.shape
-    S, N = k_BSNK.shape[1], k_BSNK.shape[2]
-    pad = (-S) % block
-    if pad:  # padded keys belong to no sample (segment -1), so nothing attends to them
-        k_BSNK = jnp.pad(k_BSNK, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        v_BSNK = jnp.pad(v_BSNK, ((0, 0), (0, pad), (0, 0), (0, 0)))
-        k_tokens = Tokens(jnp.pad(k_tokens.segment_BL, ((0, 0), (0, pad)), constant_values=-1),
-                          jnp.pad(k_tokens.is_generator_BL, ((0, 0), (0, pad))),
-                          jnp.pad(k_tokens.index_BL, ((0, 0), (0, pad))))
-    nb = (S + pad) // block
-    blocks = lambda a: jnp.moveaxis(a.reshape((B, nb, block) + a.shape[2:]), 1, 0)
+    N = k_BSNK.shape[2]
+    k_BSNK, padded = _pad_to_blocks(k_BSNK, k_tokens, block, -1)
+    v_BSNK, _ = _pad_to_blocks(v_BSNK, k_tokens, block, -1)
     q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
 
     @jax.checkpoint
     def step(carry, xs):
-        m_BNRL, l_BNRL, acc_BLNRK = carry
         k_BbNK, v_BbNK, seg, gen, idx = xs
-        logits = jnp.einsum("blnrk,bsnk->bnrls", q_BLNRK, k_BbNK, preferred_element_type=jnp.float32) * (K ** -0.5)
-        mask_BLb = pair_mask(q_tokens, Tokens(seg, gen, idx))
-        logits = jnp.where(mask_BLb[:, None, None], logits, -jnp.inf)
-        m_new = jnp.maximum(m_BNRL, logits.max(-1))
-        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
-        p = jnp.exp(logits - shift[..., None])
-        rescale = jnp.where(jnp.isfinite(m_BNRL), jnp.exp(m_BNRL - shift), 0.0)
-        l_new = l_BNRL * rescale + p.sum(-1)
-        pv = jnp.einsum("bnrls,bsnk->blnrk", p.astype(v_BbNK.dtype), v_BbNK, preferred_element_type=jnp.float32)
-        acc_new = acc_BLNRK * jnp.moveaxis(rescale, -1, 1)[..., None] + pv
-        return (m_new, l_new, acc_new), None
+        return _online_update(carry, q_BLNRK, q_tokens, k_BbNK, v_BbNK, Tokens(seg, gen, idx)), None
 
-    R = H // N
-    init = (jnp.full((B, N, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, N, R, L), jnp.float32),
-            jnp.zeros((B, L, N, R, K), jnp.float32))
-    xs = (blocks(k_BSNK), blocks(v_BSNK), blocks(k_tokens.segment_BL), blocks(k_tokens.is_generator_BL),
-          blocks(k_tokens.index_BL))
-    (_, l_BNRL, acc_BLNRK), _ = jax.lax.scan(step, init, xs)
+    xs = (_blocks(k_BSNK, block), _blocks(v_BSNK, block)) + tuple(_blocks(t, block) for t in padded)
+    (_, l_BNRL, acc_BLNRK), _ = jax.lax.scan(step, _init_carry(B, L, N, H // N, K), xs)
     out = acc_BLNRK / jnp.moveaxis(l_BNRL, -1, 1)[..., None]
     return out.reshape(B, L, H, K).astype(v_BSNK.dtype)
+
+
+# Padding (segment 0) is laid out after the samples of each region; for the interval test it
+# takes an id above every sample's, so it stays contiguous too.
+_PADDING_RANK = 2**30
+
+
+def block_pairs(q_tokens: Tokens, k_tokens: Tokens, block: int) -> jax.Array:
+    """[nq, nk] bool: the (query block, key block) pairs in which some query of some row may see
+    some key. A superset, from per-block summaries: the blocks' segment intervals overlap (samples
+    are contiguous in a packed region) and the pair is not wholly in the future of the reasoner's
+    causal part. Sequences must be whole blocks (padded with negative segments)."""
+    def summary(tokens: Tokens):
+        seg = jnp.where(tokens.segment_BL == 0, _PADDING_RANK, tokens.segment_BL)
+        real = tokens.segment_BL >= 0
+        seg_Bnb = seg.reshape(seg.shape[0], -1, block)
+        real_Bnb = real.reshape(seg_Bnb.shape)
+        lo = jnp.where(real_Bnb, seg_Bnb, jnp.iinfo(jnp.int32).max).min(-1)
+        hi = jnp.where(real_Bnb, seg_Bnb, -1).max(-1)
+        reasoner = jnp.all(~tokens.is_generator_BL.reshape(seg_Bnb.shape) | ~real_Bnb, axis=-1)
+        idx = tokens.index_BL.reshape(seg_Bnb.shape)
+        first = jnp.where(real_Bnb, idx, jnp.iinfo(jnp.int32).max).min(-1)
+        last = jnp.where(real_Bnb, idx, -1).max(-1)
+        return lo, hi, reasoner, first, last
+
+    q_lo, q_hi, q_reasoner, _, q_last = summary(q_tokens)
+    k_lo, k_hi, k_reasoner, k_first, _ = summary(k_tokens)
+    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
+    future = q_reasoner[:, :, None] & k_reasoner[:, None, :] & (k_first[:, None, :] > q_last[:, :, None])
+    return jnp.any(overlap & ~future, axis=0)
+
+
+def segment_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -> jax.Array:
+    """Blockwise over queries and keys, computing only the (query block, key block) pairs of
+    `block_pairs`: decided per batch from its segment ids, so a row packed with many samples pays
+    for the attention its samples need, not for the whole row squared. Each skipped pair is one
+    a dense masked attention would add exact zeros for, so the result equals dense attention
+    within float32 rounding and keeps sample isolation bit for bit."""
+    B, L, H, K = q_BLHK.shape
+    N, R = k_BSNK.shape[2], H // k_BSNK.shape[2]
+    q_BLHK, q_padded = _pad_to_blocks(q_BLHK, q_tokens, block, -2)
+    k_BSNK, k_padded = _pad_to_blocks(k_BSNK, k_tokens, block, -1)
+    v_BSNK, _ = _pad_to_blocks(v_BSNK, k_tokens, block, -1)
+    needed_QK = block_pairs(q_padded, k_padded, block)
+    Lp = q_BLHK.shape[1]
+    keys = (_blocks(k_BSNK, block), _blocks(v_BSNK, block)) + tuple(_blocks(t, block) for t in k_padded)
+
+    def query_block(_, xs):
+        q_BbNRK, seg, gen, idx, needed_K = xs
+        q_tok = Tokens(seg, gen, idx)
+
+        @jax.checkpoint
+        def key_block(carry, ys):
+            k_BbNK, v_BbNK, kseg, kgen, kidx, needed = ys
+            update = lambda c: _online_update(c, q_BbNRK, q_tok, k_BbNK, v_BbNK, Tokens(kseg, kgen, kidx))
+            return jax.lax.cond(needed, update, lambda c: c, carry), None
+
+        (_, l_BNRb, acc_BbNRK), _ = jax.lax.scan(key_block, _init_carry(B, block, N, R, K), keys + (needed_K,))
+        l_BbNR = jnp.moveaxis(l_BNRb, -1, 1)[..., None]
+        # Padded queries saw nothing (l = 0): a zero output, never 0/0 (its gradient would be NaN).
+        return None, jnp.where(l_BbNR > 0, acc_BbNRK / jnp.where(l_BbNR > 0, l_BbNR, 1.0), 0.0)
+
+    q_blocks = (_blocks(q_BLHK.reshape(B, Lp, N, R, K), block),) + tuple(_blocks(t, block) for t in q_padded)
+    _, out_QBbNRK = jax.lax.scan(query_block, None, q_blocks + (needed_QK,))
+    out = jnp.moveaxis(out_QBbNRK, 0, 1).reshape(B, Lp, H, K)[:, :L]
+    return out.astype(v_BSNK.dtype)
 
 
 def attention(q_BLHK: jax.Array, k_BSNK: jax.Array, v_BSNK: jax.Array, mask_BLS: jax.Array) -> jax.Array:
@@ -100,11 +185,14 @@ def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0
     B, L, H, K = q_BLHK.shape
     N = k_BSNK.shape[2]
     q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
+    if k_BSNK.shape[1] != L:  # queries over other keys (Cosmos 3's generator): each query reads the keys' mean
+        k_BSNK, v_BSNK = (jnp.broadcast_to(x.mean(1, keepdims=True), (B, L) + x.shape[2:]) for x in (k_BSNK, v_BSNK))
     return (q_BLNRK * k_BSNK[:, :, :, None, :] + v_BSNK[:, :, :, None, :]).reshape(B, L, H, K)
 
 
 # The execution config's `attention` names one of these.
-ATTENTION = {"dense": dense_attention, "blockwise": blockwise_or_dense, "io_only": attention_io_only}
+ATTENTION = {"dense": dense_attention, "blockwise": blockwise_or_dense, "segment": segment_attention,
+             "io_only": attention_io_only}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The layer-stack seam: every strategy and recomputation policy computes the same loss and
-gradients (within `verify`'s float32 tolerance) for both model families on a sharded mesh,
+"""The layer-stack seam: every strategy and recomputation policy, and the segment-aware
+attention, compute the same loss and gradients (within `verify`'s float32 tolerance) as scan with
+dense attention, for both model families on a sharded mesh,
 and the compiled step shows the strategy; micro-batches accumulate exactly their slices."""
 import dataclasses
 
@@ -36,7 +37,8 @@ def _program(family: str, **execution) -> TrainProgram:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_strategies_and_remat_policies_give_the_same_numbers(family):
     reference = one_step_grads(_program(family))
-    for execution in ({"layer_stack": "unrolled"}, {"remat": "full"}, {"layer_stack": "unrolled", "remat": "dots"}):
+    for execution in ({"layer_stack": "unrolled"}, {"remat": "full"}, {"layer_stack": "unrolled", "remat": "dots"},
+                      {"attention": "segment", "attention_block": 16}):
         result = compare(one_step_grads(_program(family, **execution)), reference, "float32")
         assert result["ok"], (execution, result)
 
