@@ -303,19 +303,20 @@ class _Run:
 
     def send(self, op: Op) -> None:
         """A point-to-point send: the links' outgoing direction only."""
-        d = self._collective_time(op)
-        begin = max(self.tc, self.t_out)
-        self.t_out = begin + d
-        self.comm_busy += d
-        self.pending[op.name] = (op, begin, begin + d)
+        self.t_out = self._one_way(op, self.t_out)
 
     def recv(self, op: Op) -> None:
         """A point-to-point receive: the links' incoming direction only."""
+        self.t_in = self._one_way(op, self.t_in)
+
+    def _one_way(self, op: Op, lane_free_at: float) -> float:
+        """Start `op` when compute has issued it and its link direction is free (links are full
+        duplex: a send and a receive overlap); returns when that direction is free again."""
         d = self._collective_time(op)
-        begin = max(self.tc, self.t_in)
-        self.t_in = begin + d
+        begin = max(self.tc, lane_free_at)
         self.comm_busy += d
         self.pending[op.name] = (op, begin, begin + d)
+        return begin + d
 
     def transfer_done(self, op: Op) -> None:
         """send-done / recv-done: compute waits for its own send or recv."""
