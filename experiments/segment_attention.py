@@ -2,7 +2,7 @@
 rows, side by side in one run: cosmos3-tiny on rows of 2,048 tokens (384 text + 1,664 generator)
 holding 16 samples each: 8 of 16 text tokens and a 120-token clip, 8 of 32 text tokens and an
 88-token clip, in a different order in every row (so rows' sample boundaries differ, as packed
-rows' do: the batch shares one block schedule, the union of its rows').
+rows' do: each row is scheduled on its own).
 
     python experiments/segment_attention.py [--rounds 3] [--steps 5] [--json out/segment_attention.json]
 
@@ -59,11 +59,10 @@ def main() -> int:
     args = parser.parse_args()
 
     import jax
-    import numpy as np
 
     import xlaopt
-    from xlaopt.models.attention import block_pairs
-    from xlaopt.models.masks import Tokens
+    from xlaopt.families import family_of
+    from xlaopt.models.segment_attention import pair_counts
 
     xlaopt.simulated_devices(1)
     shape = (args.batch_size, TEXT_LEN, GEN_LEN)
@@ -97,19 +96,15 @@ def main() -> int:
             c["losses"] = losses
             print(f"round {round_ + 1}/{args.rounds} {name:<8} median step {c['times'][-1]:.3f}s", flush=True)
 
-    # The pairs each attention of a layer computes, for this batch's rows.
-    T, V = shape[1], shape[2]
-    segment = np.concatenate([batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"]], axis=1)
-    is_gen = np.concatenate([np.zeros((shape[0], T), bool), np.ones((shape[0], V), bool)], axis=1)
-    tokens = Tokens.of(jax.numpy.asarray(segment), jax.numpy.asarray(is_gen))
+    # The block pairs each attention of a layer computes, row by row, for this batch.
+    family = family_of(contenders["segment"]["program"].model)
     pairs = {}
-    for name, (q, k) in {"reasoner": (tokens.slice(0, T), tokens.slice(0, T)),
-                         "generator": (tokens.slice(T, T + V), tokens)}.items():
-        needed = np.asarray(block_pairs(q, k, args.block))
-        pairs[name] = {"computed": int(needed.sum()), "of": int(needed.size)}
+    for name, (q, k) in zip(("reasoner", "generator"), family.attention_calls(batch)):
+        nq, nk = (-(-t.segment_BL.shape[1] // args.block) for t in (q, k))
+        pairs[name] = {"computed": int(pair_counts(q, k, args.block).sum()), "of": shape[0] * nq * nk}
     dense, seg = contenders["dense"], contenders["segment"]
     result = {
-        "shape": {"batch_size": shape[0], "text_len": T, "gen_len": V, "samples_per_row": SAMPLES_PER_ROW},
+        "shape": {"batch_size": shape[0], "text_len": shape[1], "gen_len": shape[2], "samples_per_row": SAMPLES_PER_ROW},
         "block": args.block,
         "median_step_s": {n: statistics.median(c["times"]) for n, c in contenders.items()},
         "round_step_s": {n: c["times"] for n, c in contenders.items()},

@@ -4,8 +4,9 @@ Every implementation takes the same arguments, `(q_BLHK, k_BSNK, v_BSNK, q_token
 block)`, and gives [B, L, H, K]: queries over keys under the two-way mask of `masks.pair_mask`.
   dense      masked attention over every (query, key) pair;
   blockwise  scanned over key blocks of `block` keys with an online softmax (memory O(L x block));
-  segment    blocks of queries and keys, skipping the pairs no query may see (other samples,
-             the reasoner's causal future), decided per batch from the segment ids;
+  segment    blocks of queries and keys, only the pairs each row's mask allows (other samples
+             and the reasoner's causal future skipped), decided per batch from the segment ids
+             (`xlaopt.models.segment_attention`);
   io_only    a pricing stand-in with wrong values (see `attention_io_only`); never train with it.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from xlaopt.models.masks import Tokens, pair_mask
+from xlaopt.models.segment_attention import pad_to_blocks, segment_attention
 
 
 def dense_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0) -> jax.Array:
@@ -29,19 +31,6 @@ def blockwise_or_dense(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -
     if k_BSNK.shape[1] <= block:
         return dense_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
     return blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block)
-
-
-def _pad_to_blocks(x_BL, tokens: Tokens, block: int, pad_segment: int):
-    """Pad a sequence (and its tokens) to whole blocks; padded tokens get `pad_segment`, which no
-    real token has, so nothing attends to them and they see nothing."""
-    pad = (-x_BL.shape[1]) % block
-    if not pad:
-        return x_BL, tokens
-    widths = ((0, 0), (0, pad)) + ((0, 0),) * (x_BL.ndim - 2)
-    tokens = Tokens(jnp.pad(tokens.segment_BL, ((0, 0), (0, pad)), constant_values=pad_segment),
-                    jnp.pad(tokens.is_generator_BL, ((0, 0), (0, pad))),
-                    jnp.pad(tokens.index_BL, ((0, 0), (0, pad))))
-    return jnp.pad(x_BL, widths), tokens
 
 
 def _online_update(carry, q_BLNRK, q_tokens: Tokens, k_BbNK, v_BbNK, k_tokens: Tokens):
@@ -76,8 +65,8 @@ def blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) 
     zeros, so what a query may not see cannot change its output, bit for bit."""
     B, L, H, K = q_BLHK.shape
     N = k_BSNK.shape[2]
-    k_BSNK, padded = _pad_to_blocks(k_BSNK, k_tokens, block, -1)
-    v_BSNK, _ = _pad_to_blocks(v_BSNK, k_tokens, block, -1)
+    k_BSNK, padded = pad_to_blocks(k_BSNK, k_tokens, block, -1)
+    v_BSNK, _ = pad_to_blocks(v_BSNK, k_tokens, block, -1)
     q_BLNRK = q_BLHK.reshape(B, L, N, H // N, K)
 
     @jax.checkpoint
@@ -89,72 +78,6 @@ def blockwise_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) 
     (_, l_BNRL, acc_BLNRK), _ = jax.lax.scan(step, _init_carry(B, L, N, H // N, K), xs)
     out = acc_BLNRK / jnp.moveaxis(l_BNRL, -1, 1)[..., None]
     return out.reshape(B, L, H, K).astype(v_BSNK.dtype)
-
-
-# Padding (segment 0) is laid out after the samples of each region; for the interval test it
-# takes an id above every sample's, so it stays contiguous too.
-_PADDING_RANK = 2**30
-
-
-def block_pairs(q_tokens: Tokens, k_tokens: Tokens, block: int) -> jax.Array:
-    """[nq, nk] bool: the (query block, key block) pairs in which some query of some row may see
-    some key. A superset, from per-block summaries: the blocks' segment intervals overlap (samples
-    are contiguous in a packed region) and the pair is not wholly in the future of the reasoner's
-    causal part. Sequences must be whole blocks (padded with negative segments)."""
-    def summary(tokens: Tokens):
-        seg = jnp.where(tokens.segment_BL == 0, _PADDING_RANK, tokens.segment_BL)
-        real = tokens.segment_BL >= 0
-        seg_Bnb = seg.reshape(seg.shape[0], -1, block)
-        real_Bnb = real.reshape(seg_Bnb.shape)
-        lo = jnp.where(real_Bnb, seg_Bnb, jnp.iinfo(jnp.int32).max).min(-1)
-        hi = jnp.where(real_Bnb, seg_Bnb, -1).max(-1)
-        reasoner = jnp.all(~tokens.is_generator_BL.reshape(seg_Bnb.shape) | ~real_Bnb, axis=-1)
-        idx = tokens.index_BL.reshape(seg_Bnb.shape)
-        first = jnp.where(real_Bnb, idx, jnp.iinfo(jnp.int32).max).min(-1)
-        last = jnp.where(real_Bnb, idx, -1).max(-1)
-        return lo, hi, reasoner, first, last
-
-    q_lo, q_hi, q_reasoner, _, q_last = summary(q_tokens)
-    k_lo, k_hi, k_reasoner, k_first, _ = summary(k_tokens)
-    overlap = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
-    future = q_reasoner[:, :, None] & k_reasoner[:, None, :] & (k_first[:, None, :] > q_last[:, :, None])
-    return jnp.any(overlap & ~future, axis=0)
-
-
-def segment_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int) -> jax.Array:
-    """Blockwise over queries and keys, computing only the (query block, key block) pairs of
-    `block_pairs`: decided per batch from its segment ids, so a row packed with many samples pays
-    for the attention its samples need, not for the whole row squared. Each skipped pair is one
-    a dense masked attention would add exact zeros for, so the result equals dense attention
-    within float32 rounding and keeps sample isolation bit for bit."""
-    B, L, H, K = q_BLHK.shape
-    N, R = k_BSNK.shape[2], H // k_BSNK.shape[2]
-    q_BLHK, q_padded = _pad_to_blocks(q_BLHK, q_tokens, block, -2)
-    k_BSNK, k_padded = _pad_to_blocks(k_BSNK, k_tokens, block, -1)
-    v_BSNK, _ = _pad_to_blocks(v_BSNK, k_tokens, block, -1)
-    needed_QK = block_pairs(q_padded, k_padded, block)
-    Lp = q_BLHK.shape[1]
-    keys = (_blocks(k_BSNK, block), _blocks(v_BSNK, block)) + tuple(_blocks(t, block) for t in k_padded)
-
-    def query_block(_, xs):
-        q_BbNRK, seg, gen, idx, needed_K = xs
-        q_tok = Tokens(seg, gen, idx)
-
-        @jax.checkpoint
-        def key_block(carry, ys):
-            k_BbNK, v_BbNK, kseg, kgen, kidx, needed = ys
-            update = lambda c: _online_update(c, q_BbNRK, q_tok, k_BbNK, v_BbNK, Tokens(kseg, kgen, kidx))
-            return jax.lax.cond(needed, update, lambda c: c, carry), None
-
-        (_, l_BNRb, acc_BbNRK), _ = jax.lax.scan(key_block, _init_carry(B, block, N, R, K), keys + (needed_K,))
-        l_BbNR = jnp.moveaxis(l_BNRb, -1, 1)[..., None]
-        # Padded queries saw nothing (l = 0): a zero output, never 0/0 (its gradient would be NaN).
-        return None, jnp.where(l_BbNR > 0, acc_BbNRK / jnp.where(l_BbNR > 0, l_BbNR, 1.0), 0.0)
-
-    q_blocks = (_blocks(q_BLHK.reshape(B, Lp, N, R, K), block),) + tuple(_blocks(t, block) for t in q_padded)
-    _, out_QBbNRK = jax.lax.scan(query_block, None, q_blocks + (needed_QK,))
-    out = jnp.moveaxis(out_QBbNRK, 0, 1).reshape(B, Lp, H, K)[:, :L]
-    return out.astype(v_BSNK.dtype)
 
 
 def attention(q_BLHK: jax.Array, k_BSNK: jax.Array, v_BSNK: jax.Array, mask_BLS: jax.Array) -> jax.Array:

@@ -34,6 +34,23 @@ PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
 MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 
 
+def joint_tokens(text_seg_BT, gen_seg_BV) -> Tokens:
+    """The tokens of the joint sequence [reasoner region | generator region] the mask reads."""
+    B, T = text_seg_BT.shape
+    segment_BS = jnp.concatenate([text_seg_BT, gen_seg_BV], axis=1)
+    is_gen_BS = jnp.concatenate([jnp.zeros((B, T), bool), jnp.ones((B, gen_seg_BV.shape[1]), bool)], axis=1)
+    return Tokens.of(segment_BS, is_gen_BS)
+
+
+def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
+    """(queries, keys) of each attention a layer computes: reasoner over reasoner, generator over
+    the whole row (what `MoTLayer` attends with)."""
+    tokens_S = joint_tokens(jnp.asarray(batch["text_segment_ids_BT"]), jnp.asarray(batch["gen_segment_ids_BV"]))
+    T = batch["text_segment_ids_BT"].shape[1]
+    tokens_T = tokens_S.slice(0, T)
+    return (tokens_T, tokens_T), (tokens_S.slice(T, tokens_S.segment_BL.shape[1]), tokens_S)
+
+
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
     tower: dict  # TransformerBlock fields shared by both towers
@@ -159,8 +176,6 @@ class Cosmos3(nn.Module):
         c, dt = self.config, self.dtype
         D, E = c.d_model, c.vocab_size
         text_seg_BT, gen_seg_BV = batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"]
-        B, T = text_seg_BT.shape
-        V = gen_seg_BV.shape[1]
 
         embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
         x_BTD = constrain(embedding_lookup(embed_ED, batch["text_tokens_BT"], "vocab").astype(dt),
@@ -169,9 +184,7 @@ class Cosmos3(nn.Module):
         x_BVD = io.embed(gen_inputs_BVC, batch["gen_modality_BV"], batch["gen_action_domain_BV"],
                          batch["gen_noisy_BV"], batch["gen_sigma_BV"])
 
-        segment_BS = jnp.concatenate([text_seg_BT, gen_seg_BV], axis=1)
-        is_gen_BS = jnp.concatenate([jnp.zeros((B, T), bool), jnp.ones((B, V), bool)], axis=1)
-        tokens_S = Tokens.of(segment_BS, is_gen_BS)
+        tokens_S = joint_tokens(text_seg_BT, gen_seg_BV)
         rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta, self.rope_inv_freq)
 
         tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

@@ -33,6 +33,16 @@ class DecoderConfig(TransformerConfig):
     tie_embeddings: bool = False
 
 
+def document_tokens(seg_BT) -> Tokens:
+    return Tokens.of(seg_BT, jnp.zeros(seg_BT.shape, bool))  # causal within each document
+
+
+def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
+    """(queries, keys) of the one attention a layer computes."""
+    tokens_T = document_tokens(jnp.asarray(batch["segment_ids_BT"]))
+    return ((tokens_T, tokens_T),)
+
+
 class DecoderLayer(nn.Module):
     block: dict
     attention: AttentionSpec = AttentionSpec()
@@ -60,7 +70,7 @@ class Decoder(nn.Module):
         embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
         x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
                           ("batch", "seq", "act_embed"))
-        tokens_T = Tokens.of(seg_BT, jnp.zeros(seg_BT.shape, bool))  # causal within each document
+        tokens_T = document_tokens(seg_BT)
         positions_3BT = jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape)
         rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta)
         block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

@@ -48,6 +48,29 @@ class activation_constraint:
         _ACTIVATION_CONSTRAINTS.reset(self._token)
 
 
+# The mesh axes that split a batch's rows, installed by whoever traces the model under a mesh:
+# work that stays within a row (segment-aware attention) runs per device over them.
+_BATCH_MESH_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("xlaopt_batch_mesh_axes",
+                                                                                   default=())
+
+
+def batch_mesh_axes() -> tuple[str, ...]:
+    return _BATCH_MESH_AXES.get()
+
+
+class rows_split_over:
+    """Context manager naming the mesh axes that split the batch's rows while a model is traced."""
+
+    def __init__(self, axes: tuple[str, ...]):
+        self._axes = tuple(axes)
+
+    def __enter__(self):
+        self._token = _BATCH_MESH_AXES.set(self._axes)
+
+    def __exit__(self, *exc):
+        _BATCH_MESH_AXES.reset(self._token)
+
+
 def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
           init: Callable | None = None, fan_in_axes: Sequence[int] = (0,),
           batch_axes: Sequence[int] = ()) -> jax.Array:

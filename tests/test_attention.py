@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaopt.models.attention import AttentionSpec, block_pairs, blockwise_or_dense, dense_attention, segment_attention
+from xlaopt.models.attention import AttentionSpec, blockwise_or_dense, dense_attention, segment_attention
 from xlaopt.models.cosmos3 import Cosmos3
 from xlaopt.models.masks import Tokens, pair_mask
 from xlaopt.models.objective import noised_inputs
+from xlaopt.models.segment_attention import pair_counts, row_block_pairs
 
 
 def _inputs(S=50, L=20, B=2, H=4, N=2, K=16):
@@ -35,8 +36,8 @@ def test_blockwise_matches_dense_values_and_gradients(impl, block):
 
 
 def test_block_pairs_cover_every_pair_the_mask_allows_and_skip_the_rest(tiny_config, synthetic_batch):
-    """The schedule is a superset of the block pairs the two-way mask needs (so skipping the rest
-    is exact), and on rows of block-aligned samples it is exactly those pairs."""
+    """Per row, the listed block pairs are a superset of those the two-way mask needs (so skipping
+    the rest is exact), and on rows of block-aligned samples they are exactly those pairs."""
     T = synthetic_batch["text_segment_ids_BT"].shape[1]
     segment = np.concatenate([synthetic_batch["text_segment_ids_BT"], synthetic_batch["gen_segment_ids_BV"]], 1)
     is_gen = np.concatenate([np.zeros_like(synthetic_batch["text_segment_ids_BT"], bool),
@@ -44,23 +45,28 @@ def test_block_pairs_cover_every_pair_the_mask_allows_and_skip_the_rest(tiny_con
     tokens = Tokens.of(jnp.asarray(segment), jnp.asarray(is_gen))
     block = 16
     for q, k in ((tokens.slice(0, T), tokens.slice(0, T)), (tokens.slice(T, segment.shape[1]), tokens)):
-        needed = np.asarray(block_pairs(q, k, block))
+        needed = np.asarray(row_block_pairs(q, k, block))
         allowed = np.asarray(pair_mask(q, k))  # [B, L, S]
         B, L, S = allowed.shape
-        by_block = allowed.reshape(B, L // block, block, S // block, block).any(axis=(0, 2, 4))
+        by_block = allowed.reshape(B, L // block, block, S // block, block).any(axis=(2, 4))
         assert np.all(needed[by_block]), "a pair the mask allows would be skipped"
     # Rows of 8 samples, each 8 text tokens and 16 generator tokens, in blocks of 8: the reasoner
     # computes only its diagonal blocks; each generator block its sample's text block and its own
-    # two generator blocks.
+    # two generator blocks. The second row packs the same samples shifted by half a block, which
+    # only it pays for: rows are scheduled one by one.
     seg_T, seg_V = np.repeat(np.arange(1, 9), 8), np.repeat(np.arange(1, 9), 16)
-    rows = Tokens.of(jnp.asarray(np.tile(np.concatenate([seg_T, seg_V]), (2, 1))),
+    aligned = np.concatenate([seg_T, seg_V])
+    shifted = np.concatenate([np.r_[np.zeros(4, int), seg_T[:-4]], np.r_[np.zeros(8, int), seg_V[:-8]]])
+    rows = Tokens.of(jnp.asarray(np.stack([aligned, shifted])),
                      jnp.asarray(np.tile(np.r_[np.zeros(64, bool), np.ones(128, bool)], (2, 1))))
-    reasoner = np.asarray(block_pairs(rows.slice(0, 64), rows.slice(0, 64), 8))
-    np.testing.assert_array_equal(reasoner, np.eye(8, dtype=bool))
-    generator = np.asarray(block_pairs(rows.slice(64, 192), rows, 8))
-    assert generator.shape == (16, 24) and generator.sum() == 16 * 3
-    assert all(generator[b, b // 2] and generator[b, 8 + 2 * (b // 2)] and generator[b, 9 + 2 * (b // 2)]
+    reasoner = np.asarray(row_block_pairs(rows.slice(0, 64), rows.slice(0, 64), 8))
+    np.testing.assert_array_equal(reasoner[0], np.eye(8, dtype=bool))
+    generator = np.asarray(row_block_pairs(rows.slice(64, 192), rows, 8))
+    assert generator.shape == (2, 16, 24) and generator[0].sum() == 16 * 3
+    assert all(generator[0, b, b // 2] and generator[0, b, 8 + 2 * (b // 2)] and generator[0, b, 9 + 2 * (b // 2)]
                for b in range(16))
+    counts = pair_counts(rows.slice(64, 192), rows, 8)
+    assert counts[0] == 48 and counts[1] > counts[0]
 
 
 @pytest.mark.parametrize("impl", ["blockwise", "segment"])

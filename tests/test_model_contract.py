@@ -8,14 +8,17 @@ import pytest
 
 from xlaopt.data.packing import generator_positions
 from xlaopt.models import mrope
+from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO, Cosmos3
 from xlaopt.models.masks import two_way_mask
 from xlaopt.models.objective import noised_inputs
 
 
-@pytest.fixture(scope="module")
-def model_and_params(tiny_config, synthetic_batch):
-    model = Cosmos3(tiny_config)  # bf16 compute, as trained
+@pytest.fixture(scope="module", params=["dense", "segment"])
+def model_and_params(tiny_config, synthetic_batch, request):
+    """The contract holds for every attention that trains: dense masked, and segment-aware (which
+    skips the block pairs the mask forbids, per row)."""
+    model = Cosmos3(tiny_config, attention=AttentionSpec(request.param, 16))  # bf16 compute, as trained
     batch = jax.tree.map(jnp.asarray, synthetic_batch)
     params = jax.jit(model.init)(jax.random.key(0), batch, batch["gen_x0_BVC"])["params"]
     apply = jax.jit(lambda p, b, x: model.apply({"params": p}, b, x))

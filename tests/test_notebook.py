@@ -97,6 +97,8 @@ def small_analysis() -> Analysis:
         "memory_per_device_bytes": {"arguments": 3 * 2**20, "outputs": 2**20, "aliased": 2**20, "temp": 2**19,
                                     "peak_estimate": 3 * 2**20 + 2**19},
         "hbm_bytes": 2**30, "fits_hbm": True, "collectives": sim.collectives,
+        "data": "hand-made rows", "fill": 0.9, "attention": {"impl": "segment"},
+        "attention_pairs_executed_over_needed": 1.25, "hlo_flops_over_model_flops": 1.1,
         "notes": [f"note with {HOSTILE}"],
     }
     return Analysis.from_result(result, sim)
@@ -147,7 +149,11 @@ def test_tables_hold_the_numbers():
     assert len(top) == 3
     assert {r[0] for r in top} == {HOSTILE, "b", "gather.sync"}
     assert top[0][5] == pytest.approx(1e-3) and top[0][6] == pytest.approx(1e-3 / 3.004e-3)
-    assert {r[0]: r[1] for r in a.summary_table().rows}["step time"] == fmt_seconds(3.004e-3) == "3 ms"
+    summary = {r[0]: r[1] for r in a.summary_table().rows}
+    assert summary["step time"] == fmt_seconds(3.004e-3) == "3 ms"
+    assert summary["fill (real tokens / slots)"] == "90.0%"
+    assert summary["attention (segment): pairs executed / needed"] == "1.25x"
+    assert summary["HLO matmul FLOPs / model FLOPs"] == "1.1x"
 
 
 def test_html_escapes_every_string_and_holds_every_section():

@@ -72,7 +72,8 @@ def test_dot_flops_fusions_and_loops_from_shapes():
     assert len(by_name["d"]) == 3  # the while body, expanded by its trip count
     assert by_name["d"][0].flops == 2 * 64 * 128 * 128
     assert s.flops == 2 * 64 * 32 * 128 + 3 * 2 * 64 * 128 * 128
-    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 3, "known": True}]
+    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 3, "known": True,
+                        "given": False}]
     # bytes: operands + result of the fusion
     assert by_name["f"][0].bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
 

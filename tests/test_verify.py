@@ -1,4 +1,5 @@
 """Sharded equals single-device, on the meshes the design promises to support."""
+import dataclasses
 import json
 
 import pytest
@@ -16,8 +17,8 @@ from conftest import SMALL, needs_devices
 FP32 = ExecutionConfig(compute_dtype="float32")
 
 
-def _grads(config, mesh: str, transforms=()):
-    program = TrainProgram(config, MeshSpec.parse(mesh), execution=FP32, grad_transforms=transforms)
+def _grads(config, mesh: str, transforms=(), execution=FP32):
+    program = TrainProgram(config, MeshSpec.parse(mesh), execution=execution, grad_transforms=transforms)
     program, _ = run_pipeline(program, pipeline())
     return one_step_grads(program)
 
@@ -33,6 +34,16 @@ def test_sharded_matches_single_device(tiny_config, reference, mesh):
     result = compare(_grads(tiny_config, mesh), reference, "float32")
     assert result["ok"], result
     assert result["max_rel_diff_grads"] > 0 or mesh == "data=8"  # partitioning really reordered sums
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("mesh", ["data=2,fsdp=2,tensor=2", "context=2,fsdp=2,tensor=2"])
+def test_segment_attention_sharded_matches_dense_single_device(tiny_config, reference, mesh):
+    """Segment-aware attention runs per device over the batch's mesh axes (a shard_map) and still
+    gives the single-device dense step's loss and gradients."""
+    segment = dataclasses.replace(FP32, attention="segment", attention_block=16)
+    result = compare(_grads(tiny_config, mesh, execution=segment), reference, "float32")
+    assert result["ok"], result
 
 
 class Corrupt(GradTransform):

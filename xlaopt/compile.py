@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.errors import UserError
 from xlaopt.mesh import make_mesh
-from xlaopt.models.layers import activation_constraint
+from xlaopt.models.layers import activation_constraint, rows_split_over
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import logical_to_spec
 from xlaopt.step import abstract_state, batch_spec, build_grad_fn, build_init, build_train_step
@@ -146,7 +146,17 @@ def _tracing_context(program: TrainProgram, mesh):
                 return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
             stack.enter_context(activation_constraint(constrain))
+        stack.enter_context(rows_split_over(batch_axes(program)))
         yield
+
+
+def batch_axes(program: TrainProgram) -> tuple[str, ...]:
+    """The mesh axes the program's layout splits the batch's rows over (none before a layout)."""
+    if program.shardings is None:
+        return ()
+    spec = logical_to_spec(("batch",), (program.settings.batch.batch_size,), program.rules, program.mesh, "the batch")
+    entry = spec[0] if len(spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _check_transforms_run(program: TrainProgram, mesh) -> None:

@@ -27,6 +27,7 @@ class Family:
     train_flops: Callable  # (config, host batch) -> model FLOPs of one training step
     synthetic: Callable  # (config, BatchShape, seed) -> producer with .batch(i)
     segment_keys: tuple[str, ...]  # batch arrays whose nonzero entries are real tokens
+    attention_calls: Callable  # host batch -> ((query Tokens, key Tokens), ...) of one layer's attentions
     default_batch: BatchShape
 
     def real_tokens(self, batch: dict[str, np.ndarray]) -> int:
@@ -46,9 +47,10 @@ def _module(cls):
 
 FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
-                      SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), BatchShape(8, 56, 104)),
+                      SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
+                      BatchShape(8, 56, 104)),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
-                      SyntheticText, ("segment_ids_BT",), BatchShape(8, 128, 0)),
+                      SyntheticText, ("segment_ids_BT",), decoder.attention_calls, BatchShape(8, 128, 0)),
 }
 
 

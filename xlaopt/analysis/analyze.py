@@ -24,6 +24,7 @@ import json
 import math
 import time
 
+from xlaopt.analysis.priced_batch import PricedBatch, synthetic_batch
 from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS
@@ -59,21 +60,21 @@ def _compiled(program: TrainProgram, topology: Topology, target: str):
 
 
 def analyze(program: TrainProgram, topology: Topology, target: str | None = None, trace: str | None = None,
-            dump_dir: str | None = None) -> dict:
+            dump_dir: str | None = None, batch: PricedBatch | None = None) -> dict:
     """Compile `program`'s step for `target` (default: the program's own), simulate its schedule on
-    `topology`; JSON-ready.
+    `topology` for `batch` (default: the first batch of the family's synthetic stream); JSON-ready.
     `trace`: write the simulated timeline there (Perfetto JSON); `dump_dir`: write the compiled
     (scheduled) HLO there as `analyzed-<target>.compiled.hlo`."""
-    return analyze_with_sim(program, topology, target, trace, dump_dir, keep_timeline=False)[0]
+    return analyze_with_sim(program, topology, target, trace, dump_dir, keep_timeline=False, batch=batch)[0]
 
 
 def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | None = None, trace: str | None = None,
-                     dump_dir: str | None = None, keep_timeline: bool = True):
+                     dump_dir: str | None = None, keep_timeline: bool = True, batch: PricedBatch | None = None):
     """`analyze`, also handing back the `SimResult` it priced (with its event timeline when
     `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.analysis.notebook` draws from it."""
+    from xlaopt.analysis.attention_work import batch_work
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
-    from xlaopt.families import family_of
 
     target = program.target if target is None else target
     if target not in TARGETS:
@@ -81,6 +82,11 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     if target != program.target:
         program = program.replace(target=target)  # its compiler options are checked against the new target
     check_fits(program, topology)
+    if batch is None:
+        batch = synthetic_batch(program)
+    if batch.shape != program.settings.batch:
+        raise UserError(f"the priced batch is {batch.shape} but the program's is {program.settings.batch}")
+    work = batch_work(program, batch.arrays)
     compiled, lower_s, compile_s = _compiled(program, topology, target)
     executable = compiled.train_step
     t0 = time.perf_counter()
@@ -90,7 +96,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
         pathlib.Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
-    schedule = build_schedule(text)
+    schedule = build_schedule(text, loop_trips=work.loop_trips)
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
@@ -100,9 +106,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         with open(trace, "w") as f:
             json.dump(to_perfetto(sim, f"{program.model.name} on {program.mesh} ({topology.name}, {target})"), f)
 
-    family = family_of(program.model)
-    batch = family.synthetic(program.model, program.settings.batch, program.settings.seed).batch(0)
-    model_flops = float(family.train_flops(program.model, batch))
+    model_flops = work.model_flops
     n = program.mesh.num_devices
     memory = executable.memory_analysis()
     mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
@@ -130,6 +134,12 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "topology": topology.name, "device": topology.device.name, "target": target,
         "batch": {"batch_size": program.settings.batch.batch_size, "text_len": program.settings.batch.text_len,
                   "gen_len": program.settings.batch.gen_len},
+        "data": batch.source,
+        "fill": work.fill,
+        "attention": {"impl": program.execution.attention, "block": program.execution.attention_block,
+                      "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
+                      "pair_loop_trips": work.loop_trips},
+        "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
         "compute_dtype": dtype,
         "step_time_s": sim.step_time_s,
         "mfu": mfu(model_flops, sim.step_time_s, topology, n, dtype),
@@ -143,6 +153,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "bounds": bounds(sim),
         "model_flops_per_step": model_flops,
         "hlo_matmul_flops_per_step": sim.flops_per_device * n,
+        "hlo_flops_over_model_flops": sim.flops_per_device * n / model_flops if model_flops else None,
         "memory_per_device_bytes": mem,
         "hbm_bytes": topology.device.hbm_bytes,
         "fits_hbm": topology.device.hbm_bytes <= 0 or mem["peak_estimate"] <= topology.device.hbm_bytes,
@@ -176,7 +187,11 @@ def format_analysis(result: dict) -> str:
         + (f" of {gib(result['hbm_bytes'])} HBM" + ("" if result["fits_hbm"] else "  DOES NOT FIT")
            if result["hbm_bytes"] else ""),
         f"model FLOPs/step {result['model_flops_per_step']:.3e}; HLO matmul FLOPs/step "
-        f"{result['hlo_matmul_flops_per_step']:.3e} (includes recomputation)",
+        f"{result['hlo_matmul_flops_per_step']:.3e} (includes recomputation): "
+        f"{_ratio(result['hlo_flops_over_model_flops'])} the model's",
+        f"data: {result['data']}; fill {result['fill'] * 100:.1f}% of the slots; attention "
+        f"{result['attention']['impl']}: (query, key) pairs executed / needed "
+        f"{_ratio(result['attention_pairs_executed_over_needed'])}",
         f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>12}{'exposed':>12}",
     ]
     for axes, c in sorted(result["comm_by_axis"].items(), key=lambda kv: -kv[1]["time_s"]):
@@ -193,6 +208,10 @@ def format_analysis(result: dict) -> str:
                  + (f"; trace written to {result['trace']}" if result.get("trace") else ""))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}x"
 
 
 def analysis_batch_size(mesh, default: int, requested: int | None) -> int:

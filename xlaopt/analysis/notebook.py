@@ -71,6 +71,10 @@ def fmt_percent(x: float) -> str:
     return "0%" if x == 0 else f"{x * 100:.1f}%" if abs(x) >= 0.1 else f"{x * 100:.3g}%"
 
 
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}x"
+
+
 FORMATS = {"text": str, "int": lambda x: f"{x:,}", "seconds": fmt_seconds, "bytes": fmt_bytes,
            "percent": fmt_percent, "count": fmt_count}
 
@@ -283,6 +287,11 @@ class Analysis:
             ("bound: communication perfectly hidden", r["bounds"]["perfect_overlap_s"], "seconds"),
             ("memory per device (peak estimate)", mem["peak_estimate"], "bytes"),
             ("model FLOPs per step", r["model_flops_per_step"], "count"),
+            ("data", r["data"], "text"),
+            ("fill (real tokens / slots)", r["fill"], "percent"),
+            (f"attention ({r['attention']['impl']}): pairs executed / needed",
+             _ratio(r["attention_pairs_executed_over_needed"]), "text"),
+            ("HLO matmul FLOPs / model FLOPs", _ratio(r["hlo_flops_over_model_flops"]), "text"),
         ]
         return Table("summary", ("quantity", "value"), ("text", "text"),
                      tuple((name, FORMATS[f](v)) for name, v, f in rows))
@@ -358,13 +367,14 @@ class Analysis:
         return f'<div class="xlaopt-view"><style>{_STYLE}</style>{head}{timeline}{tables}{notes}</div>'
 
 
-def show(program, topology="h100:1x8", target: str | None = None) -> Analysis:
+def show(program, topology="h100:1x8", target: str | None = None, batch=None) -> Analysis:
     """Compile `program`'s step for `target` (default: the program's own), simulate it on `topology` (a Topology or a spec
-    such as "h100:1x8") and return the Analysis; the last line of a notebook cell renders it."""
+    such as "h100:1x8") for `batch` (a `PricedBatch`; default: the synthetic stream's first) and return the
+    Analysis; the last line of a notebook cell renders it."""
     from xlaopt.analysis.analyze import analyze_with_sim
     from xlaopt.analysis.topology import parse_topology
 
     if isinstance(topology, str):
         topology = parse_topology(topology)
-    result, sim = analyze_with_sim(program, topology, target, keep_timeline=True)
+    result, sim = analyze_with_sim(program, topology, target, keep_timeline=True, batch=batch)
     return Analysis.from_result(result, sim)

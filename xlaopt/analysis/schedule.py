@@ -3,7 +3,8 @@
 `build_schedule(hlo_text)` reads XLA's scheduled HLO (`compiled.as_text()`: each computation's
 instructions are printed in schedule order) and returns the entry computation's ops in execution
 order, with every while loop's body repeated by its known trip count (exactly expanded, not
-priced once and multiplied), `call`s inlined, and a `conditional` replaced by its branch with the
+priced once and multiplied; a loop XLA cannot count, by the trip count the caller gives its name
+scope, else once), `call`s inlined, and a `conditional` replaced by its branch with the
 most matmul FLOPs (an upper bound; the branch taken is not known statically).
 
 Each op carries:
@@ -85,6 +86,9 @@ class Op:
     # copy-start / send / recv between host and device memory (a memory space S(5) layout, or
     # is_host_transfer=true) rather than inside device memory or between devices.
     host_transfer: bool = False
+    # The op stands for this many runs of itself (a data-dependent loop's body priced once per
+    # op): flops and bytes are the total over the runs, `matmuls` the sizes of one run's.
+    repeat: int = 1
 
 
 @dataclasses.dataclass
@@ -434,8 +438,25 @@ class HloReader:
         return hlo.shape_dims(root.result)[0][0] == dtype and min(widths) < hlo.DTYPE_BYTES[dtype]
 
 
-def build_schedule(hlo_text: str) -> Schedule:
-    """The entry computation's ops in execution order (see the module docstring)."""
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _loop_trips(attrs: str, loop_trips: dict[str, int]) -> int | None:
+    """The trip count a caller gives the while loop of these attributes: the loop's op_name ends in
+    `<tag>/while` for one of the tags (the name scope data-dependent loops are traced under)."""
+    m = _OP_NAME.search(attrs)
+    if m is None:
+        return None
+    for tag, trips in loop_trips.items():
+        if m.group(1).endswith(f"{tag}/while"):
+            return trips
+    return None
+
+
+def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None) -> Schedule:
+    """The entry computation's ops in execution order (see the module docstring).
+    `loop_trips`: trip counts of loops XLA cannot know, by the name scope they were traced under
+    (segment-aware attention's pair loops: as many trips as the priced batch's block pairs)."""
     reader = HloReader(hlo_text)
     if reader.entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -455,11 +476,20 @@ def build_schedule(hlo_text: str) -> Schedule:
             if ins.opcode == "while":
                 body = reader.callee(ins, "body")
                 trips = hlo.trip_count(ins.attrs)
+                given = _loop_trips(ins.attrs, loop_trips or {}) if trips is None else None
+                runs = trips if trips is not None else given if given is not None else 1
                 if ins.name not in seen_loops:
                     seen_loops.add(ins.name)
-                    loops.append({"name": ins.name, "computation": comp, "body": body,
-                                  "trip_count": trips or 1, "known": trips is not None})
-                for _ in range(trips or 1):
+                    loops.append({"name": ins.name, "computation": comp, "body": body, "trip_count": runs,
+                                  "known": trips is not None, "given": given is not None})
+                body_ops = list(expand(body, depth + 1)) if given is not None else None
+                if body_ops is not None and all(o.kind in ("compute", "free") for o in body_ops):
+                    # A loop of the caller's count within one device (no communication): each body
+                    # op once, standing for its `runs` runs, so a long pair loop is priced in one pass.
+                    yield from (dataclasses.replace(o, flops=o.flops * runs, bytes=o.bytes * runs, repeat=o.repeat * runs)
+                                for o in body_ops if runs)
+                    continue
+                for _ in range(runs):
                     yield from expand(body, depth + 1)
             elif ins.opcode == "call":
                 yield from expand(reader.callee(ins, "to_apply"), depth + 1)

@@ -96,7 +96,7 @@ def compute_time_s(op: Op, topology: Topology, eff: costmodel.Efficiency = costm
         return memory
     peak = _peak(topology, matmul_dtype or HLO_DTYPES.get(op.dtype or "", "bfloat16"))
     mmax = eff.matmul_max_for(topology.device.name)
-    matmul = sum(costmodel.matmul_time_s(f, peak, f, mmax, eff.matmul_half_flops) for f in op.matmuls)
+    matmul = op.repeat * sum(costmodel.matmul_time_s(f, peak, f, mmax, eff.matmul_half_flops) for f in op.matmuls)
     return max(matmul, memory)
 
 

@@ -1,0 +1,96 @@
+"""The work of the batch a price is for: how full its rows are, the attention pairs its mask
+needs against those the step executes, and the trip counts of segment-aware attention's pair
+loops on the busiest device (which XLA cannot know: they follow the batch).
+
+A (query, key) pair is needed when the two-way mask lets a real query see a real key (padding
+needs nothing). Executed pairs are those the attention implementation computes: every pair for
+dense and blockwise attention, each listed block pair's block x block for segment-aware attention.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from xlaopt.families import family_of
+from xlaopt.models.masks import Tokens
+from xlaopt.program import TrainProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchWork:
+    fill: float  # real tokens / slots
+    model_flops: float  # one training step's model FLOPs (padding and masked pairs excluded)
+    pairs_needed: float  # per layer, over the batch
+    pairs_executed: float | None  # per layer, over the batch; None: the implementation computes none (io_only)
+    loop_trips: dict[str, int]  # pair-loop name scope -> trips per run on the busiest device
+
+    @property
+    def pairs_executed_over_needed(self) -> float | None:
+        if self.pairs_executed is None or not self.pairs_needed:
+            return None
+        return self.pairs_executed / self.pairs_needed
+
+
+def needed_pairs(q: Tokens, k: Tokens) -> np.ndarray:
+    """[B] (query, key) pairs the two-way mask allows between real tokens, per row: a generator
+    query sees every key of its sample; a reasoner query its sample's reasoner keys up to itself."""
+    q_seg, q_gen, q_idx = (np.asarray(a) for a in q)
+    k_seg, k_gen, k_idx = (np.asarray(a) for a in k)
+    B, S = k_seg.shape
+    segments = int(max(q_seg.max(initial=0), k_seg.max(initial=0))) + 1
+    rows = np.arange(B)[:, None]
+    out = np.zeros(B, np.float64)
+    # Generator queries: the keys of their segment.
+    per_segment = np.zeros((B, segments), np.int64)
+    np.add.at(per_segment, (np.broadcast_to(rows, k_seg.shape), k_seg), k_seg > 0)
+    gen = q_gen & (q_seg > 0)
+    out += np.where(gen, per_segment[rows, q_seg], 0).sum(axis=1)
+    # Reasoner queries: reasoner keys of their segment at or before them, by a sorted (row, segment,
+    # index) key: searchsorted counts each query's keys in one pass.
+    span = S + 1
+    key_of = lambda r, seg, idx: (r * segments + seg) * span + idx
+    k_real = ~k_gen & (k_seg > 0)
+    keys = np.sort(key_of(np.broadcast_to(rows, k_seg.shape), k_seg, k_idx)[k_real])
+    q_real = ~q_gen & (q_seg > 0)
+    r = np.broadcast_to(rows, q_seg.shape)[q_real]
+    seen = (np.searchsorted(keys, key_of(r, q_seg[q_real], q_idx[q_real]), "right")
+            - np.searchsorted(keys, key_of(r, q_seg[q_real], 0), "left"))
+    np.add.at(out, r, seen)
+    return out
+
+
+def _busiest_device(per_row: np.ndarray, program: TrainProgram) -> int:
+    """Trips per run of a pair loop on the device that does most: the rows of each micro-batch
+    split contiguously over the batch's mesh axes; the mean over micro-batches of the busiest
+    device's share (one count prices every run of the loop)."""
+    from xlaopt.compile import batch_axes
+
+    ways = math.prod(program.mesh.size(a) for a in batch_axes(program))
+    per_micro = per_row.reshape(program.execution.micro_batches, -1)
+    busiest = per_micro.reshape(per_micro.shape[0], ways, -1).sum(axis=2).max(axis=1)
+    return int(math.ceil(busiest.mean()))
+
+
+def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork:
+    """The work of `batch` (host arrays of the program's batch contract; the latents are not read)."""
+    from xlaopt.models.segment_attention import loop_tag, pair_counts
+
+    family = family_of(program.model)
+    shape = program.settings.batch
+    fill = family.real_tokens(batch) / shape.tokens
+    impl, block = program.execution.attention, program.execution.attention_block
+    needed = executed = 0.0
+    trips: dict[str, int] = {}
+    for q, k in family.attention_calls(batch):
+        (B, L), S = q.segment_BL.shape, k.segment_BL.shape[1]
+        needed += float(needed_pairs(q, k).sum())
+        if impl == "segment":
+            per_row = pair_counts(q, k, block)
+            executed += float(per_row.sum()) * block * block
+            trips[loop_tag(L, S)] = _busiest_device(per_row, program)
+        else:
+            executed += float(B * L * S)
+    return BatchWork(fill, float(family.train_flops(program.model, batch)), needed,
+                     None if impl == "io_only" else executed, trips)
