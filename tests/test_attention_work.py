@@ -33,15 +33,15 @@ def test_needed_pairs_count_what_the_mask_allows_between_real_tokens(tiny_config
 
 
 def test_layout_of_planned_rows_matches_the_packers_and_its_flops():
-    """Rows given as (modality, n_text, n_gen, n_clean) lay out as `fill_row` lays samples out."""
+    """Rows given as (n_text, n_gen, modality, n_clean) lay out as `fill_row` lays samples out."""
     shape = BatchShape(2, 16, 32)
-    rows = [[(1, 5, 10, 4), (0, 3, 0, 0), (1, 4, 20, 0)], [(1, 16, 32, 0)]]
+    rows = [[(5, 10, 1, 4), (3, 0, 0, 0), (4, 20, 1, 0)], [(16, 32, 1, 0)]]
     arrays = cosmos3_layout(shape, rows)
     np.testing.assert_array_equal(arrays["text_segment_ids_BT"][0], [1] * 5 + [2] * 3 + [3] * 4 + [0] * 4)
     np.testing.assert_array_equal(arrays["gen_segment_ids_BV"][0], [1] * 10 + [3] * 20 + [0] * 2)
     assert arrays["gen_noisy_BV"][0].sum() == 6 + 20 and not arrays["gen_noisy_BV"][0, :4].any()
     with pytest.raises(ValueError, match="row 1"):
-        cosmos3_layout(shape, [rows[0], [(1, 17, 0, 0)]])
+        cosmos3_layout(shape, [rows[0], [(17, 0, 0, 0)]])
 
 
 def test_a_repeated_op_costs_its_runs():
@@ -78,7 +78,7 @@ def test_analysis_reports_fill_and_work_ratios_of_the_priced_rows(segment_progra
     """Rows of whole block-aligned samples: segment-aware attention executes exactly the blocks of
     each sample; the analysis prices the busiest device's share and reports it."""
     shape = segment_program.settings.batch
-    rows = [[(1, 16, 32, 0), (1, 16, 32, 0), (1, 16, 32, 0)], [(1, 16, 48, 0), (1, 32, 48, 0)]]
+    rows = [[(16, 32, 1, 0), (16, 32, 1, 0), (16, 32, 1, 0)], [(16, 48, 1, 0), (32, 48, 1, 0)]]
     batch = PricedBatch("two rows", shape, cosmos3_layout(shape, rows))
     work = batch_work(segment_program, batch.arrays)
     # Row 0: text blocks 1 each (3), generator 6 blocks x (1 text + 2 gen) (18). Row 1: text 1 + 3

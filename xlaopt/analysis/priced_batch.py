@@ -29,7 +29,7 @@ def synthetic_batch(program: TrainProgram) -> PricedBatch:
 
 
 def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, int, int]]]) -> dict[str, np.ndarray]:
-    """The layout arrays of Cosmos 3 rows of samples given as (modality, n_text, n_gen, n_clean),
+    """The layout arrays of Cosmos 3 rows of samples given as (n_text, n_gen, modality, n_clean),
     laid out as `xlaopt.data.packing.fill_row` lays them: samples in order from the start of each
     region, segment ids from 1, padding (segment 0) after."""
     B, T, V = shape.batch_size, shape.text_len, shape.gen_len
@@ -39,7 +39,7 @@ def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, in
     modality, noisy = np.zeros((B, V), np.int32), np.zeros((B, V), bool)
     for r, samples in enumerate(rows):
         t = g = 0
-        for segment, (m, n_text, n_gen, n_clean) in enumerate(samples, start=1):
+        for segment, (n_text, n_gen, m, n_clean) in enumerate(samples, start=1):
             if t + n_text > T or g + n_gen > V:
                 raise ValueError(f"row {r}: its samples need more than ({T}, {V}) text and generator tokens")
             text_seg[r, t:t + n_text] = segment

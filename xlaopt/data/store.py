@@ -230,11 +230,17 @@ class SampleStore:
 
     def lengths(self) -> np.ndarray:
         """[samples, 2] text and generator token counts, from the shard indexes alone."""
+        return self.shapes()[:, 1:3]
+
+    def shapes(self) -> np.ndarray:
+        """[samples, 4] (modality, n_text, n_gen, n_clean) of every sample, from the shard indexes
+        alone: what packing and pricing need, no latent read."""
         parts = []
         for shard in self._shards:
             index = self._shard_index(shard)
-            parts.append(np.stack([index[:, 1] - index[:, 0], index[:, 3] - index[:, 2]], axis=1))
-        return np.concatenate(parts)
+            parts.append(np.stack([index[:, 4], index[:, 1] - index[:, 0], index[:, 3] - index[:, 2], index[:, 6]],
+                                  axis=1))
+        return np.concatenate(parts).astype(np.int64)
 
     def read(self, i: int) -> Sample:
         return self.read_many([i])[0]
