@@ -5,10 +5,11 @@ import time
 import numpy as np
 import pytest
 
+from xlaopt.cli import main
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.mixes import GRID_480P, GRID_720P, MIXES, get_mix, latent_frames
 from xlaopt.data.plan import plan_batch
-from xlaopt.data.store import SampleStore
+from xlaopt.data.store import SampleStore, length_stats
 from xlaopt.data.synthetic_store import make_mix_store
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3 import VIDEO
@@ -103,3 +104,24 @@ def test_budget_below_the_smallest_sample_names_the_smallest_that_works():
     with pytest.raises(UserError, match=r"cannot hold its largest samples; \(256, 7410\) holds every one"):
         get_mix("cosmos3-480p").check_row(512, 4096)
     get_mix("cosmos3-480p").check_row(512, 4096, skip_oversize=True)
+
+
+def test_data_make_mix_writes_a_readable_store(tmp_path, capsys):
+    assert main(["data", "make", str(tmp_path / "s"), "--mix", "cosmos3-480p", "--samples", "40", "--seed", "3"]) == 0
+    store = SampleStore(tmp_path / "s")
+    assert len(store) == 40
+    assert store.manifest["stats"] == length_stats(get_mix("cosmos3-480p").lengths(40, seed=3)[:, :3])
+    assert "store size" in capsys.readouterr().out
+    assert main(["data", "make", str(tmp_path / "t"), "--mix", "nope"]) == 2
+    assert "registered mixes: cosmos3-480p" in capsys.readouterr().err
+
+
+def test_train_mix_refuses_data_and_rows_too_small(capsys):
+    for args, message in [(["--mix", "cosmos3-480p", "--data", "memory"], "--mix cosmos3-480p and --data memory both "
+                                                                          "given"),
+                          # Refused before the store is made: a 720p clip needs 44,160 generator tokens.
+                          (["--mix", "cosmos3-720p", "--gen-len", "8192"], "(800, 44160) holds every one"),
+                          (["--mix", "cosmos3-480"], "unknown mix 'cosmos3-480'")]:
+        assert main(["train", "--model", "cosmos3-tiny", "--steps", "1"] + args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
