@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import sys
 
 from xlaopt.errors import UserError
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; default: a synthetic "
                         "store made on first use under $XLAOPT_CACHE (~/.cache/xlaopt); `memory`: the "
                         "in-memory synthetic stream. Decoder models train on the in-memory text stream")
+    p.add_argument("--mix", default=None, metavar="NAME",
+                   help="train on a store of this named sample mix of real shapes (xlaopt.data.mixes: cosmos3-480p, "
+                        "cosmos3-mid, cosmos3-720p), made on first use under $XLAOPT_CACHE; rows default to the (text, generator) "
+                        "budget the mix is weighted for. Not with --data")
     p.add_argument("--skip-oversize", action="store_true",
                    help="skip stored samples longer than a row (counted in the loader state and the summary) "
                         "instead of stopping with an error")
@@ -96,7 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("make", help="write a synthetic Cosmos-like sample store")
     p.add_argument("dir")
     p.add_argument("--model", default="cosmos3-tiny", help="the Cosmos 3 config whose latent widths to use")
-    p.add_argument("--samples", type=int, default=20_000)
+    p.add_argument("--mix", default=None, metavar="NAME",
+                   help="samples of this named mix of real shapes (cosmos3-480p, cosmos3-mid, cosmos3-720p; "
+                        "random latents) instead of the toy-sized synthetic ones")
+    p.add_argument("--samples", type=int, default=None,
+                   help="default 20,000 toy samples, or the mix's default, small because its latents are large: "
+                        "cosmos3-480p 2,000 (~250 MB at cosmos3-tiny widths, ~1.5 GB at cosmos3-nano's), "
+                        "cosmos3-mid 200 (~170 MB, ~1 GB), cosmos3-720p 16 (~90 MB, ~540 MB: a 720p clip is "
+                        "44,160 x 192 float32 latents at nano's width, 34 MB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-mb", type=float, default=64.0, help="approximate shard size")
     p = data.add_parser("stats", help="a store's sample count, shards and length statistics")
@@ -216,12 +228,15 @@ def _program_on_devices(args):
     make_mesh(mesh)  # enough devices? say so before any compilation or data making
     default = family_of(config).default_batch
     data = getattr(args, "data", "memory")  # only `train` reads data
-    if data is None and config.family == "cosmos3":
+    mix = getattr(args, "mix", None)  # `train` only
+    if mix is not None:
+        data, default = _mix_data(args, config, default)
+    elif data is None and config.family == "cosmos3":
         from xlaopt.data.synthetic_store import default_store
 
         data = str(default_store(config))
     args.data = data = None if data == "memory" else data
-    if data is not None:
+    if data is not None and mix is None:
         if config.family != "cosmos3":
             raise UserError(f"--data: sample stores hold Cosmos 3 samples; {args.model} trains on synthetic text")
         from xlaopt.data.loader import split_budget
@@ -236,6 +251,25 @@ def _program_on_devices(args):
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
     return _program(args, config, mesh, rules, batch)
+
+
+def _mix_data(args, config, default):
+    """`train --mix`: the mix's store (made once, in the cache) and the batch shape, whose row
+    budget (given, else the one the mix is weighted for) is checked against the mix first."""
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.data.mixes import get_mix
+    from xlaopt.data.synthetic_store import mix_store
+
+    if args.data is not None:
+        raise UserError(f"--mix {args.mix} and --data {args.data} both given; a mix makes its own store, pass one "
+                        f"or the other")
+    if config.family != "cosmos3":
+        raise UserError(f"--mix: mixes hold Cosmos 3 samples; {args.model} trains on synthetic text")
+    mix = get_mix(args.mix)
+    pick = lambda value, fallback: fallback if value is None else value
+    text, gen = pick(args.text_len, mix.row[0]), pick(args.gen_len, mix.row[1])
+    mix.check_row(text, gen, args.skip_oversize)
+    return str(mix_store(config, mix)), BatchShape(default.batch_size, text, gen)
 
 
 def _program(args, config, mesh, rules, batch, target: str = "cpu"):
@@ -416,9 +450,24 @@ def cmd_data(args) -> int:
     from xlaopt.data.store import SampleStore
 
     if args.data_command == "make":
-        from xlaopt.data.synthetic_store import make_store
+        config, shard_bytes = get_config(args.model), int(args.shard_mb * 2**20)
+        if args.mix is None:
+            from xlaopt.data.synthetic_store import DEFAULT_SAMPLES, make_store
 
-        manifest = make_store(args.dir, get_config(args.model), args.samples, args.seed, int(args.shard_mb * 2**20))
+            samples = DEFAULT_SAMPLES if args.samples is None else args.samples
+            manifest = make_store(args.dir, config, samples, args.seed, shard_bytes)
+        else:
+            from xlaopt.data.mixes import get_mix, latent_bytes
+            from xlaopt.data.synthetic_store import make_mix_store
+
+            mix = get_mix(args.mix)
+            samples = mix.default_samples if args.samples is None else args.samples
+            if samples >= 1 and config.family == "cosmos3":
+                print(f"{args.dir}: writing {samples} samples of {mix.name} at {config.name}'s widths, "
+                      f"~{latent_bytes(mix.lengths(samples, args.seed), config) / 1e6:.0f} MB of latents")
+            manifest = make_mix_store(args.dir, config, mix, samples, args.seed, shard_bytes)
+        size = sum(f.stat().st_size for f in pathlib.Path(args.dir).rglob("*") if f.is_file())
+        print(f"{args.dir}: store size {size / 1e6:.1f} MB")
     else:
         manifest = SampleStore(args.dir).manifest
         _write_json(args.json, manifest)

@@ -64,15 +64,15 @@ class Planner:
     def __init__(self, lengths: np.ndarray, shape: BatchShape, seed: int, skip_oversize: bool = False):
         self.lengths, self.shape, self.seed, self.skip_oversize = lengths, shape, seed, skip_oversize
         too_long = (lengths[:, 0] > shape.text_len) | (lengths[:, 1] > shape.gen_len)
+        if too_long.all():
+            raise LoaderError(f"no sample fits a row of ({shape.text_len}, {shape.gen_len}) text and generator "
+                              f"tokens; {budget_hint(lengths, shape)}; raise --text-len/--gen-len")
         if too_long.any() and not skip_oversize:
             i = int(np.flatnonzero(too_long)[0])
             raise LoaderError(f"sample {i} has {lengths[i, 0]} text and {lengths[i, 1]} generator tokens, more "
                               f"than a row holds ({shape.text_len}, {shape.gen_len}) ({int(too_long.sum())} such "
-                              f"samples); raise --text-len/--gen-len, or skip them (counted in the loader state) with "
-                              f"--skip-oversize")
-        if too_long.all():
-            raise LoaderError(f"no sample fits a row of ({shape.text_len}, {shape.gen_len}) text and generator "
-                              f"tokens; raise --text-len/--gen-len")
+                              f"samples; {tuple(int(x) for x in lengths.max(axis=0))} holds every sample); raise "
+                              f"--text-len/--gen-len, or skip them (counted in the loader state) with --skip-oversize")
         self._too_long = too_long
         # A window holds `_WINDOW` batches' worth of text and of generator tokens; a mix short of
         # one kind stops it at 4x the samples that holds on average.
@@ -184,6 +184,18 @@ def best_fill(need: np.ndarray, room: np.ndarray, max_cells: int = _FILL_CELLS) 
         taken.append(int(rest[k]))
         cell = (cell[0] - int(size[k, 0]), cell[1] - int(size[k, 1]))
     return np.asarray(sorted(taken), np.int64)
+
+
+def budget_hint(lengths: np.ndarray, shape: BatchShape) -> str:
+    """The budgets near `shape`'s that work for [n, 2] (text, generator) `lengths`: the least
+    raise of it that holds some sample (the rest skipped), and the one that holds every sample."""
+    need = np.maximum(lengths, [shape.text_len, shape.gen_len])
+    least = tuple(int(x) for x in need[np.argmin(need.sum(axis=1))])
+    every = tuple(int(x) for x in lengths.max(axis=0))
+    if least == every:
+        return f"the smallest budget that works is {every}, which holds every sample"
+    return (f"the smallest budget that works is {least}, with --skip-oversize for the longer samples; "
+            f"{every} holds every sample")
 
 
 def split_budget(row_tokens: int, mean_text: float, mean_gen: float) -> tuple[int, int]:
