@@ -85,6 +85,7 @@ def test_analysis_reports_fill_and_work_ratios_of_the_priced_rows(segment_progra
     # (the second sample's 2 blocks, causally), generator 3 x (1 + 3) + 3 x (2 + 3) = 27. One row
     # per device (fsdp=2): the busiest device's counts.
     assert work.loop_trips == {"xlaopt_pairs_L48_S48": 4, "xlaopt_pairs_L96_S144": 27}
+    assert work.mean_loop_trips == {"xlaopt_pairs_L48_S48": 3.5, "xlaopt_pairs_L96_S144": 22.5}
     assert work.fill == 1.0
     result = analyze(segment_program, parse_topology("h100:1x8"), "cpu", batch=batch)
     assert result["fill"] == 1.0 and result["data"] == "two rows"

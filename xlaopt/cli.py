@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "topology's GPUs (needs xlaopt[gpu-aot])")
     p.add_argument("--trace", default=None, metavar="OUT.json",
                    help="write the simulated timeline as a Chrome/Perfetto trace (ui.perfetto.dev)")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--mix", default=None, metavar="NAME",
+                      help="price rows packed from this named sample mix as the loader packs them (cosmos3-480p, "
+                           "cosmos3-mid, cosmos3-720p; rows default to the mix's budget); default: the synthetic stream")
+    rows.add_argument("--data", default=None, metavar="DIR",
+                      help="price rows packed from this sample store as the loader packs them (its index only)")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -396,15 +402,22 @@ def cmd_analyze(args) -> int:
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
     from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
+    from xlaopt.analysis.priced_batch import mix_batch, store_batch
 
     config = get_config(args.model, parse_overrides(args.model, args.set))
     default = family_of(config).default_batch
+    if args.mix is not None:  # rows of the budget the mix is weighted for, unless given
+        from xlaopt.data.mixes import get_mix
+
+        default = BatchShape(default.batch_size, *get_mix(args.mix).row)
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(analysis_batch_size(mesh, default.batch_size, args.batch_size),
                        pick(args.text_len, default.text_len), pick(args.gen_len, default.gen_len))
     program = _program(args, config, mesh, rules, batch, target=args.target)
     program, passes = _apply_pipeline(args, program, None, topology)
-    result = analyze(program, topology, program.target, args.trace, args.dump_hlo)
+    priced = (mix_batch(program, args.mix) if args.mix is not None
+              else store_batch(program, args.data) if args.data is not None else None)
+    result = analyze(program, topology, program.target, args.trace, args.dump_hlo, batch=priced)
     result["passes"] = passes
     print(format_analysis(result))
     _write_json(args.json, result)

@@ -25,6 +25,7 @@ class BatchWork:
     pairs_needed: float  # per layer, over the batch
     pairs_executed: float | None  # per layer, over the batch; None: the implementation computes none (io_only)
     loop_trips: dict[str, int]  # pair-loop name scope -> trips per run on the busiest device
+    mean_loop_trips: dict[str, float]  # the same, averaged over the devices (what the cluster executes)
 
     @property
     def pairs_executed_over_needed(self) -> float | None:
@@ -61,16 +62,17 @@ def needed_pairs(q: Tokens, k: Tokens) -> np.ndarray:
     return out
 
 
-def _busiest_device(per_row: np.ndarray, program: TrainProgram) -> int:
-    """Trips per run of a pair loop on the device that does most: the rows of each micro-batch
-    split contiguously over the batch's mesh axes; the mean over micro-batches of the busiest
-    device's share (one count prices every run of the loop)."""
+def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, float]:
+    """Trips per run of a pair loop on the device that does most, and on the average device: the
+    rows of each micro-batch split contiguously over the batch's mesh axes (devices along the
+    other axes repeat their shard's rows); averaged over micro-batches, as one count prices every
+    run of the loop."""
     from xlaopt.compile import batch_axes
 
     ways = math.prod(program.mesh.size(a) for a in batch_axes(program))
     per_micro = per_row.reshape(program.execution.micro_batches, -1)
-    busiest = per_micro.reshape(per_micro.shape[0], ways, -1).sum(axis=2).max(axis=1)
-    return int(math.ceil(busiest.mean()))
+    per_shard = per_micro.reshape(per_micro.shape[0], ways, -1).sum(axis=2)
+    return int(math.ceil(per_shard.max(axis=1).mean())), float(per_shard.mean())
 
 
 def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork:
@@ -83,14 +85,15 @@ def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork
     impl, block = program.execution.attention, program.execution.attention_block
     needed = executed = 0.0
     trips: dict[str, int] = {}
+    mean_trips: dict[str, float] = {}
     for q, k in family.attention_calls(batch):
         (B, L), S = q.segment_BL.shape, k.segment_BL.shape[1]
         needed += float(needed_pairs(q, k).sum())
         if impl == "segment":
             per_row = pair_counts(q, k, block)
             executed += float(per_row.sum()) * block * block
-            trips[loop_tag(L, S)] = _busiest_device(per_row, program)
+            trips[loop_tag(L, S)], mean_trips[loop_tag(L, S)] = _per_device_trips(per_row, program)
         else:
             executed += float(B * L * S)
     return BatchWork(fill, float(family.train_flops(program.model, batch)), needed,
-                     None if impl == "io_only" else executed, trips)
+                     None if impl == "io_only" else executed, trips, mean_trips)

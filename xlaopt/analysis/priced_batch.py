@@ -49,3 +49,36 @@ def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, in
             t, g = t + n_text, g + n_gen
     return {"text_segment_ids_BT": text_seg, "gen_segment_ids_BV": gen_seg, "gen_modality_BV": modality,
             "gen_noisy_BV": noisy}
+
+
+def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str) -> PricedBatch:
+    """The first global batch the loader packs from samples of these shapes (int [n, 4]: modality,
+    n_text, n_gen, n_clean), laid out for the program's rows."""
+    from xlaopt.data.plan import plan_batch
+    from xlaopt.errors import UserError
+
+    if program.model.family != "cosmos3":
+        raise UserError(f"{source}: sample mixes and stores hold Cosmos 3 samples; {program.model.name} is priced "
+                        f"on its synthetic stream (drop --mix/--data)")
+    shape = program.settings.batch
+    plan = plan_batch(shapes, shape, program.settings.seed)
+    return PricedBatch(f"{source}, packed as the loader packs its first batch", shape, cosmos3_layout(shape, plan.rows))
+
+
+def mix_batch(program: TrainProgram, name: str) -> PricedBatch:
+    """`packed_batch` of a named mix (`xlaopt.data.mixes`), from enough sampled shapes that the
+    loader's window (twice a batch) never runs dry."""
+    from xlaopt.data.mixes import get_mix
+
+    mix, seed, shape = get_mix(name), program.settings.seed, program.settings.batch
+    pilot = mix.lengths(10_000, seed)
+    mean_tokens = max(float(pilot[:, 1:3].sum(axis=1).mean()), 1.0)
+    samples = max(10_000, int(np.ceil(8 * shape.tokens / mean_tokens)))
+    return packed_batch(program, mix.lengths(samples, seed), f"mix {name}")
+
+
+def store_batch(program: TrainProgram, directory: str) -> PricedBatch:
+    """`packed_batch` of a sample store's samples (its shard indexes only)."""
+    from xlaopt.data.store import SampleStore
+
+    return packed_batch(program, SampleStore(directory).shapes(), f"store {directory}")
