@@ -160,3 +160,27 @@ def test_train_stops_on_oversize_samples_or_skips_them_when_asked(store, tmp_pat
     assert main(args + ["--skip-oversize", "--json", str(tmp_path / "out.json")]) == 0
     assert "samples longer than a row" in capsys.readouterr().out
     assert json.loads((tmp_path / "out.json").read_text())["data"]["state"]["skipped"] > 0
+
+
+def test_rows_balanced_over_groups_for_attention_work():
+    """Rows go to the batch's shards so each shard's attention work is near equal (the step waits
+    for the busiest device); the rows themselves, and the loader state after them, are the same."""
+    from xlaopt.data.loader import attention_pairs, balance_rows
+
+    costs = [100.0, 1.0, 90.0, 2.0, 80.0, 3.0]
+    order = balance_rows(costs, 3)
+    assert sorted(order) == list(range(6))
+    loads = [sum(costs[i] for i in order[k:k + 2]) for k in (0, 2, 4)]
+    assert max(loads) - min(loads) <= 2.0 and balance_rows(costs, 1) == list(range(6))
+    assert attention_pairs(np.array([[3, 4], [2, 0]])) == 3 * 4 / 2 + 4 * 7 + 2 * 3 / 2
+    rng = np.random.default_rng(0)
+    lengths = np.stack([rng.integers(1, 12, 400), rng.integers(0, 60, 400)], axis=1)
+    shape = BatchShape(8, 24, 96)
+    plain, _ = Planner(lengths, shape, seed=0).plan(LoaderState())
+    balanced, state = Planner(lengths, shape, seed=0, balance_groups=4).plan(LoaderState())
+    assert sorted(map(tuple, balanced)) == sorted(map(tuple, plain))
+    assert state == Planner(lengths, shape, seed=0).plan(LoaderState())[1]
+    work = lambda rows: [sum(attention_pairs(lengths[r]) for r in rows[k:k + 2]) for k in range(0, 8, 2)]
+    assert max(work(balanced)) <= max(work(plain))
+    with pytest.raises(LoaderError, match="3 row groups"):
+        Planner(lengths, shape, seed=0, balance_groups=3)

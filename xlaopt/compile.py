@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import numpy as np
@@ -157,6 +158,19 @@ def batch_axes(program: TrainProgram) -> tuple[str, ...]:
     spec = logical_to_spec(("batch",), (program.settings.batch.batch_size,), program.rules, program.mesh, "the batch")
     entry = spec[0] if len(spec) else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+# Attentions whose work follows each row's samples: rows are balanced over the devices for them.
+_ROW_COST_ATTENTION = ("segment",)
+
+
+def row_groups(program: TrainProgram) -> int:
+    """How many contiguous groups of a batch's rows run on different devices one after another
+    (each micro-batch's share of each batch shard), for the loader to balance their attention
+    work; 1 where every row costs the same (dense attention)."""
+    if program.execution.attention not in _ROW_COST_ATTENTION:
+        return 1
+    return program.execution.micro_batches * math.prod(program.mesh.size(a) for a in batch_axes(program))
 
 
 def _check_transforms_run(program: TrainProgram, mesh) -> None:

@@ -108,7 +108,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
     model_flops = work.model_flops
     n = program.mesh.num_devices
-    hlo_flops = n * _mean_device_flops(text, work) if work.loop_trips else n * sim.flops_per_device
+    hlo_flops = n * _mean_device_flops(text, work)
     memory = executable.memory_analysis()
     mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
            "aliased": int(memory.alias_size_in_bytes), "temp": int(memory.temp_size_in_bytes)}
@@ -178,15 +178,15 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
 
 def _mean_device_flops(text: str, work) -> float:
-    """Matmul FLOPs of the average device: the step is priced on the busiest one (it sets the pace),
-    but its pair loops run as long as its own rows need, so what the cluster executes is the
-    average. Linear in the trips: the loops' bodies measured one trip at a time."""
+    """Matmul FLOPs of the average device: the step is priced on the busiest one (it sets the
+    pace), but pair loops run as long as each device's own rows need, so what the cluster executes
+    is the average. Linear in the trips: each loop's body is measured one trip at a time."""
     from xlaopt.analysis.schedule import build_schedule
 
     none = {tag: 0 for tag in work.loop_trips}
-    base = build_schedule(text, none).flops
-    return base + sum(mean * (build_schedule(text, dict(none, **{tag: 1})).flops - base)
-                      for tag, mean in work.mean_loop_trips.items())
+    flops = lambda trips: build_schedule(text, trips).flops
+    base = flops(none)
+    return base + sum(mean * (flops(dict(none, **{tag: 1})) - base) for tag, mean in work.mean_loop_trips.items())
 
 
 def format_analysis(result: dict) -> str:

@@ -54,6 +54,7 @@ def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, in
 def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str) -> PricedBatch:
     """The first global batch the loader packs from samples of these shapes (int [n, 4]: modality,
     n_text, n_gen, n_clean), laid out for the program's rows."""
+    from xlaopt.compile import row_groups
     from xlaopt.data.plan import plan_batch
     from xlaopt.errors import UserError
 
@@ -61,7 +62,7 @@ def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str) -> Pric
         raise UserError(f"{source}: sample mixes and stores hold Cosmos 3 samples; {program.model.name} is priced "
                         f"on its synthetic stream (drop --mix/--data)")
     shape = program.settings.batch
-    plan = plan_batch(shapes, shape, program.settings.seed)
+    plan = plan_batch(shapes, shape, program.settings.seed, balance_groups=row_groups(program))
     return PricedBatch(f"{source}, packed as the loader packs its first batch", shape, cosmos3_layout(shape, plan.rows))
 
 

@@ -61,8 +61,14 @@ class LoaderState:
 class Planner:
     """Global batch plans from token counts alone; a pure function of (store, seed, state)."""
 
-    def __init__(self, lengths: np.ndarray, shape: BatchShape, seed: int, skip_oversize: bool = False):
+    def __init__(self, lengths: np.ndarray, shape: BatchShape, seed: int, skip_oversize: bool = False,
+                 balance_groups: int = 1):
+        """`balance_groups`: the batch's rows split into this many contiguous groups (the batch's
+        shards over the mesh, see `balance_rows`); 1 keeps the packing order."""
+        if balance_groups < 1 or shape.batch_size % balance_groups:
+            raise LoaderError(f"{balance_groups} row groups do not split a batch of {shape.batch_size} rows")
         self.lengths, self.shape, self.seed, self.skip_oversize = lengths, shape, seed, skip_oversize
+        self.balance_groups = balance_groups
         too_long = (lengths[:, 0] > shape.text_len) | (lengths[:, 1] > shape.gen_len)
         if too_long.all():
             raise LoaderError(f"no sample fits a row of ({shape.text_len}, {shape.gen_len}) text and generator "
@@ -136,7 +142,34 @@ class Planner:
             rows.append(sorted(row + picked.tolist()))
         s["waiting"] = tuple(window[k] for k in np.flatnonzero(free))
         s["batches"] += 1
+        rows = [rows[i] for i in balance_rows([attention_pairs(need[r]) for r in rows], self.balance_groups)]
         return [[window[k] for k in r] for r in rows], LoaderState(**s)
+
+
+def attention_pairs(need: np.ndarray) -> float:
+    """(query, key) pairs the two-way mask lets a row of samples of [n, 2] (text, generator) tokens
+    compute: each sample's causal text and its generator over all its tokens. What a row costs
+    beyond its (equal) per-token work when attention skips what the mask forbids."""
+    t, g = need[:, 0].astype(np.float64), need[:, 1].astype(np.float64)
+    return float(np.sum(t * (t + 1) / 2 + g * (t + g)))
+
+
+def balance_rows(costs, groups: int) -> list[int]:
+    """An order of the rows whose `groups` contiguous groups (of equal row count: the batch's
+    shards over the mesh, each a device's rows) hold near-equal total cost: rows by falling cost,
+    each to the least loaded group with room (LPT). The step waits for the busiest device, so a
+    batch of a few clip-heavy rows should not land them on one. groups=1 keeps the order."""
+    if groups == 1:
+        return list(range(len(costs)))
+    size = len(costs) // groups
+    members: list[list[int]] = [[] for _ in range(groups)]
+    load = np.zeros(groups)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        open_ = [k for k in range(groups) if len(members[k]) < size]
+        k = min(open_, key=lambda k: (load[k], k))
+        members[k].append(i)
+        load[k] += costs[i]
+    return [i for group in members for i in sorted(group)]
 
 
 def best_fill(need: np.ndarray, room: np.ndarray, max_cells: int = _FILL_CELLS) -> np.ndarray:
@@ -210,10 +243,11 @@ class Loader:
     def __init__(self, store: SampleStore, config: Cosmos3Config, shape: BatchShape, seed: int = 0,
                  state: LoaderState | None = None, process_index: int = 0, process_count: int = 1,
                  skip_oversize: bool = False, max_prefetch: int = 16, rows: range | None = None,
-                 read_ahead: int = 2):
+                 read_ahead: int = 2, balance_groups: int = 1):
         """This process reads the rows `rows` of every global batch (what its devices hold; see
         `CompiledProgram.local_rows`), by default its 1/process_count share in process order.
-        `read_ahead`: batches whose reads are queued behind the one being packed."""
+        `read_ahead`: batches whose reads are queued behind the one being packed. `balance_groups`:
+        the batch's shards over the mesh, balanced for attention work (`balance_rows`)."""
         if rows is None and shape.batch_size % process_count:
             raise LoaderError(f"batch size {shape.batch_size} does not split over {process_count} processes")
         if rows is not None and not (rows.step == 1 and 0 <= rows.start < rows.stop <= shape.batch_size):
@@ -223,7 +257,7 @@ class Loader:
                 raise LoaderError(f"store {store.dir}: modality {modality} has width {width}, wider than "
                                   f"{config.name}'s generator input ({config.generator_in_dim})")
         self.store, self.config, self.shape, self.seed = store, config, shape, seed
-        self.planner = Planner(store.lengths(), shape, seed, skip_oversize)
+        self.planner = Planner(store.lengths(), shape, seed, skip_oversize, balance_groups)
         if rows is None:
             share = shape.batch_size // process_count
             rows = range(process_index * share, (process_index + 1) * share)

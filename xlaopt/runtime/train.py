@@ -12,7 +12,7 @@ import numpy as np
 
 from xlaopt.analysis.hardware import mesh_peak
 from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention
-from xlaopt.compile import compile_program
+from xlaopt.compile import compile_program, row_groups
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
@@ -127,7 +127,7 @@ class _Run:
             loader_state = LoaderState.from_json(meta["data"]) if meta and meta["data"] else None
             self.loader = Loader(SampleStore(data_dir), program.model, program.settings.batch,
                                  seed=program.settings.seed, state=loader_state, rows=compiled.local_rows,
-                                 skip_oversize=skip_oversize)
+                                 skip_oversize=skip_oversize, balance_groups=row_groups(program))
         t0 = time.perf_counter()
         compiled.train_step  # noqa: B018 (compile before the clock starts)
         self.compile_s = time.perf_counter() - t0
