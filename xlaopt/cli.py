@@ -168,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="scratch directory on the disk to measure (default: /tmp)")
     p.add_argument("--json", default=None, metavar="OUT")
     p = bench.add_parser("data", help="the xlaopt loader vs Grain feeding the same cosmos3-tiny training step")
-    p.add_argument("--store", default=None, metavar="DIR", help="a sample store (default: a synthetic one in a temp dir)")
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--store", "--data", default=None, metavar="DIR",
+                      help="a sample store (default: a synthetic one in a temp dir)")
+    rows.add_argument("--mix", default=None, metavar="NAME",
+                      help="a named mix's store (made once in the cache), in rows of the mix's budget")
     p.add_argument("--steps", type=int, default=30, help="timed training steps per contender and round")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     p.add_argument("--io", action="store_true",
@@ -550,6 +554,14 @@ def cmd_bench(args) -> int:
     from xlaopt.benchmarks import disk
 
     disk.allow_system_drop()  # cold reads via drop_caches where root; library callers evict per file
+    row = None
+    if args.bench_command == "data" and args.mix is not None:
+        from xlaopt.benchmarks.data import MODEL
+        from xlaopt.data.mixes import get_mix
+        from xlaopt.data.synthetic_store import mix_store
+
+        mix = get_mix(args.mix)
+        args.store, row = str(mix_store(get_config(MODEL), mix)), mix.row
     if args.bench_command == "data" and args.io:
         from xlaopt.benchmarks import data_io
 
@@ -559,7 +571,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench_command == "data":
         from xlaopt.benchmarks import data as bench
-        result = bench.run(args.store, args.steps, args.repeats, progress=print)
+        result = bench.run(args.store, args.steps, args.repeats, progress=print, row=row)
     else:
         if args.devices < 1:
             raise UserError(f"--devices {args.devices}: need at least one device")

@@ -261,12 +261,13 @@ def _compiled_program(shape: BatchShape, model: str, mesh: str, settings: dict, 
 def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progress: Callable = print,
         samples: int = 20_000, read_batches: int = 200, model: str = MODEL, mesh: str = MESH,
         settings: dict | None = None, batch_size: int | None = None, row_tokens: int | None = None,
-        seed: int = 0, disk_probe_mb: int = 256) -> dict:
+        seed: int = 0, disk_probe_mb: int = 256, row: tuple[int, int] | None = None) -> dict:
     """Both contenders on one store (a synthetic one of `samples` in a temp dir when none is
     given), `repeats` interleaved rounds of `steps` timed training steps each; medians.
 
-    The row budget is `xlaopt train --data`'s: the family's row length (or `row_tokens`)
-    split in the ratio of the store's mean text and generator lengths."""
+    The row budget is `row` (text, generator) when given (a mix's), else `xlaopt train --data`'s:
+    the family's row length (or `row_tokens`) split in the ratio of the store's mean text and
+    generator lengths."""
     missing = grain_missing()
     if missing:
         raise UserError(f"bench data compares against Grain: {missing}")
@@ -288,8 +289,8 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
         config = get_config(model, settings)
         default = family_of(config).default_batch
         stats = store.manifest["stats"]
-        text, gen = split_budget(row_tokens or default.text_len + default.gen_len, stats["text_tokens"]["mean"],
-                                 stats["gen_tokens"]["mean"])
+        text, gen = row or split_budget(row_tokens or default.text_len + default.gen_len,
+                                        stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])
         shape = BatchShape(batch_size or default.batch_size, text, gen)
         progress(f"compiling {model} ({settings}) on {mesh}, rows of {text} text + {gen} generator tokens, "
                  f"{shape.batch_size} rows")
