@@ -96,7 +96,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
         pathlib.Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
-    schedule = build_schedule(text, loop_trips=work.loop_trips)
+    schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops)
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
@@ -138,7 +138,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "fill": work.fill,
         "attention": {"impl": program.execution.attention, "block": program.execution.attention_block,
                       "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
-                      "pair_loop_trips": work.loop_trips},
+                      "pair_loop_trips": work.loop_trips, "fused_call_flops": work.custom_call_flops},
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
         "compute_dtype": dtype,
         "step_time_s": sim.step_time_s,
