@@ -145,6 +145,11 @@ def test_the_step_compiles_deviceless_to_the_fused_kernels(gpu_analysis):
         assert text.count(f'custom_call_target="{target}"') == 2
     for tag in (fused_tag(48, 48), fused_tag(96, 144)):
         assert tag in text
+    # Reasoner causal within its segments, the generator full within them; 8 samples + padding.
+    forward = [line for line in text.splitlines() if f'custom_call_target="{FORWARD_TARGET}"' in line]
+    masks = {"48,32]" in line.split("custom-call(")[0]: line.split('mask_type": "')[1].split('"')[0] for line in forward}
+    assert masks == {True: "PADDING_CAUSAL", False: "PADDING"}
+    assert all('max_seg_per_batch": 9,' in line for line in forward)
     # No dense logits: nothing of [.., 48, 48] (reasoner) or [.., 96, 144] (generator) is built.
     assert not any(f",{a},{b}]" in text or f"[{a},{b}]" in text for a, b in ((48, 48), (96, 144)))
 
