@@ -7,15 +7,19 @@ block)`, and gives [B, L, H, K]: queries over keys under the two-way mask of `ma
   segment    blocks of queries and keys, only the pairs each row's mask allows (other samples
              and the reasoner's causal future skipped), decided per batch from the segment ids
              (`xlaopt.models.segment_attention`);
+  cudnn      JAX's fused cuDNN attention, each sample a segment of its own (NVIDIA GPUs only:
+             `xlaopt.models.cudnn_attention`);
   io_only    a pricing stand-in with wrong values (see `attention_io_only`); never train with it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from xlaopt.models.cudnn_attention import MAX_SEGMENTS, cudnn_attention
 from xlaopt.models.masks import Tokens, pair_mask
 from xlaopt.models.segment_attention import pad_to_blocks, segment_attention
 
@@ -115,20 +119,25 @@ def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0
 
 # The execution config's `attention` names one of these.
 ATTENTION = {"dense": dense_attention, "blockwise": blockwise_or_dense, "segment": segment_attention,
-             "io_only": attention_io_only}
+             "cudnn": cudnn_attention, "io_only": attention_io_only}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-    """Which implementation a model's layers attend with, and its key block (blockwise only)."""
+    """Which implementation a model's layers attend with, its key block (blockwise, segment) and
+    the samples a row may hold (cudnn: a static shape of its packed layout)."""
     impl: str = "dense"
     block: int = 512
+    max_segments: int = MAX_SEGMENTS
 
     def __post_init__(self):
         if self.impl not in ATTENTION:
             raise ValueError(f"attention {self.impl!r}; use one of {', '.join(ATTENTION)}")
-        if self.block <= 0:
-            raise ValueError(f"attention block {self.block} must be positive")
+        if self.block <= 0 or self.max_segments <= 0:
+            raise ValueError(f"attention block {self.block} and max_segments {self.max_segments} must be positive")
 
     def __call__(self, q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens) -> jax.Array:
-        return ATTENTION[self.impl](q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, self.block)
+        impl = ATTENTION[self.impl]
+        if self.impl == "cudnn":  # the one implementation with a static segment budget
+            impl = functools.partial(impl, max_segments=self.max_segments)
+        return impl(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, self.block)

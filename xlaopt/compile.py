@@ -23,7 +23,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.errors import UserError
+from xlaopt.families import family_of
 from xlaopt.mesh import make_mesh
+from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, rows_split_over
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import logical_to_spec
@@ -64,7 +66,9 @@ class CompiledProgram:
 
     def put_batch(self, batch: dict):
         """Host batch -> global arrays. In a multi-process job `batch` holds this process's
-        `local_rows` of the global batch (see `local_part`)."""
+        `local_rows` of the global batch (see `local_part`). Rows the program's attention cannot
+        take are refused here, before the step runs (`cudnn_attention.check_rows`)."""
+        check_batch_rows(self.program, batch)
         if jax.process_count() == 1:
             return jax.device_put(batch, self.batch_shardings)
         return {k: jax.make_array_from_process_local_data(self.batch_shardings[k], v, self._abstract_batch[k].shape)
@@ -131,6 +135,13 @@ class CompiledProgram:
                     raise UserError(f"compiler options {dict(program.compiler_options)}: XLA (jax "
                                     f"{jax.__version__}) says: {message.splitlines()[0]}") from None
                 raise
+
+
+def check_batch_rows(program: TrainProgram, batch: dict) -> None:
+    """attention=cudnn packs at most `attention_max_segments` samples a row (a static shape)."""
+    execution = program.execution
+    if execution.attention == "cudnn":
+        check_rows({k: batch[k] for k in family_of(program.model).segment_keys}, execution.attention_max_segments)
 
 
 def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:

@@ -13,6 +13,7 @@ from typing import get_type_hints
 
 from xlaopt.errors import UserError
 from xlaopt.models.attention import ATTENTION, AttentionSpec
+from xlaopt.models.cudnn_attention import MAX_SEGMENTS
 from xlaopt.models.registry import parse_assignments
 from xlaopt.models.stack import REMAT_POLICIES, STRATEGIES, StackSpec
 
@@ -27,6 +28,7 @@ class ExecutionConfig:
     remat: str = "none"  # a policy of `xlaopt.models.stack.REMAT_POLICIES`
     attention: str = "dense"  # an implementation of `xlaopt.models.attention.ATTENTION`
     attention_block: int = 512  # keys per block of the blockwise attention
+    attention_max_segments: int = MAX_SEGMENTS  # attention=cudnn: samples a row may hold (a static shape of the step)
     layer_stack: str = "scan"  # a strategy of `xlaopt.models.stack.STRATEGIES`
     micro_batches: int = 1  # gradient accumulation: the batch is split into this many along its rows
 
@@ -36,7 +38,7 @@ class ExecutionConfig:
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise UserError(f"execution setting {field}={getattr(self, field)!r}; use one of {', '.join(valid)}")
-        for field in ("attention_block", "micro_batches"):
+        for field in ("attention_block", "attention_max_segments", "micro_batches"):
             if getattr(self, field) < 1:
                 raise UserError(f"execution setting {field}={getattr(self, field)} must be at least 1")
 
@@ -46,7 +48,7 @@ class ExecutionConfig:
 
     @property
     def attention_spec(self) -> AttentionSpec:
-        return AttentionSpec(self.attention, self.attention_block)
+        return AttentionSpec(self.attention, self.attention_block, self.attention_max_segments)
 
     def check_batch(self, batch_size: int) -> None:
         if batch_size % self.micro_batches:

@@ -89,6 +89,10 @@ class TrainProgram:
         if not isinstance(self.compiler_options, CompilerOptions):
             object.__setattr__(self, "compiler_options", CompilerOptions(self.compiler_options))
         self.compiler_options.check_target(self.target)
+        if self.execution.attention == "cudnn" and self.target != "gpu":
+            raise UserError(f"execution setting attention=cudnn is JAX's cuDNN fused attention, which runs on NVIDIA "
+                            f"GPUs only; the {self.target} target needs attention=segment (the same pairs skipped) "
+                            f"or dense, or compile for --target gpu")
         self.execution.check_batch(self.settings.batch.batch_size)
         for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
                                        ("HLO", self.hlo_transforms, HloTransform)):

@@ -1,6 +1,7 @@
 """The training step: AdamW on fp32 master weights, the model in the compute dtype."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -26,6 +27,17 @@ def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
 
 def make_model(program: TrainProgram):
     return family_of(program.model).module(program.model, program.execution)
+
+
+def make_init_model(program: TrainProgram):
+    """The model that initialises the parameters. They do not depend on how attention is
+    computed, and cuDNN's fused attention cannot be traced under the vmap over the layers'
+    keys that initialises a stack (jax 0.10.2 batches it on the leading axis only), so a
+    cudnn program initialises through dense attention (never run: only the parameters are kept)."""
+    execution = program.execution
+    if execution.attention == "cudnn":
+        execution = dataclasses.replace(execution, attention="dense")
+    return family_of(program.model).module(program.model, execution)
 
 
 def batch_spec(program: TrainProgram) -> dict:
@@ -97,7 +109,7 @@ def build_train_step(program: TrainProgram):
 
 
 def build_init(program: TrainProgram):
-    model, opt = make_model(program), make_optimizer(program.settings)
+    model, opt = make_init_model(program), make_optimizer(program.settings)
 
     def init(key) -> TrainState:
         batch = {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program).items()}
@@ -109,14 +121,14 @@ def build_init(program: TrainProgram):
 
 @functools.lru_cache(maxsize=16)
 def _abstract_boxed_params(program: TrainProgram):
-    return jax.eval_shape(make_model(program).init, jax.random.key(0), abstract_batch(program))["params"]
+    return jax.eval_shape(make_init_model(program).init, jax.random.key(0), abstract_batch(program))["params"]
 
 
 def abstract_params_with_axes(program: TrainProgram):
     """(abstract params, logical PartitionSpec tree), built with jax.eval_shape: no allocation."""
     # Parameters depend on the model, batch shape and execution only; key the cache on those.
     boxed = _abstract_boxed_params(TrainProgram(program.model, settings=TrainSettings(program.settings.batch),
-                                                execution=program.execution))
+                                                execution=program.execution, target=program.target))
     return nn.meta.unbox(boxed), nn.get_partition_spec(boxed)
 
 

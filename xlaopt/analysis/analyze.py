@@ -96,7 +96,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
         pathlib.Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
-    schedule = build_schedule(text, loop_trips=work.loop_trips)
+    schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops)
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
@@ -148,7 +148,9 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "attention": {"impl": program.execution.attention, "block": program.execution.attention_block,
                       "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
                       "pair_loop_trips_busiest_device": work.loop_trips,
-                      "pair_loop_trips_mean_device": work.mean_loop_trips},
+                      "pair_loop_trips_mean_device": work.mean_loop_trips,
+                      "fused_call_flops_busiest_device": work.custom_call_flops,
+                      "fused_call_flops_mean_device": work.mean_custom_call_flops},
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
         "compute_dtype": dtype,
         "step_time_s": sim.step_time_s,
@@ -179,12 +181,13 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
 def _mean_device_flops(text: str, work) -> float:
     """Matmul FLOPs of the average device: the step is priced on the busiest one (it sets the
-    pace), but pair loops run as long as each device's own rows need, so what the cluster executes
-    is the average. Linear in the trips: each loop's body is measured one trip at a time."""
+    pace), but pair loops run as long as, and fused attention calls do as much as, each device's
+    own rows need, so what the cluster executes is the average. Linear in the trips: each loop's
+    body is measured one trip at a time; fused calls take the average device's FLOPs."""
     from xlaopt.analysis.schedule import build_schedule
 
     none = {tag: 0 for tag in work.loop_trips}
-    flops = lambda trips: build_schedule(text, trips).flops
+    flops = lambda trips: build_schedule(text, trips, custom_call_flops=work.mean_custom_call_flops).flops
     base = flops(none)
     return base + sum(mean * (flops(dict(none, **{tag: 1})) - base) for tag, mean in work.mean_loop_trips.items())
 

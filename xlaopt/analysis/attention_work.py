@@ -4,7 +4,9 @@ loops on the busiest device (which XLA cannot know: they follow the batch).
 
 A (query, key) pair is needed when the two-way mask lets a real query see a real key (padding
 needs nothing). Executed pairs are those the attention implementation computes: every pair for
-dense and blockwise attention, each listed block pair's block x block for segment-aware attention.
+dense and blockwise attention, each listed block pair's block x block for segment-aware attention,
+each segment's pairs (padding's included) for cuDNN's fused attention, whose custom calls XLA
+counts no FLOPs for: the busiest device's are given to the schedule by name scope.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ class BatchWork:
     pairs_executed: float | None  # per layer, over the batch; None: the implementation computes none (io_only)
     loop_trips: dict[str, int]  # pair-loop name scope -> trips per run on the busiest device
     mean_loop_trips: dict[str, float]  # the same, averaged over the devices (what the cluster executes)
+    # fused-attention name scope -> {custom call target: FLOPs per run on the busiest device}
+    custom_call_flops: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    mean_custom_call_flops: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # the average's
 
     @property
     def pairs_executed_over_needed(self) -> float | None:
@@ -75,8 +80,32 @@ def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, 
     return int(math.ceil(per_shard.max(axis=1).mean())), float(per_shard.mean())
 
 
+def _heads_per_device(program: TrainProgram) -> int:
+    """Query heads of one device's attention: the heads split over the mesh axes the layout gives
+    the attention's heads (none before a layout)."""
+    from xlaopt.sharding import logical_to_spec
+
+    heads = program.model.num_heads
+    if program.shardings is None:
+        return heads
+    spec = logical_to_spec(("act_heads",), (heads,), program.rules, program.mesh, "the attention heads")
+    entry = spec[0] if len(spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return heads // math.prod(program.mesh.size(a) for a in axes)
+
+
+def _fused_flops(pairs: float, program: TrainProgram) -> dict[str, float]:
+    """Forward and backward FLOPs of one run of a fused-attention call over `pairs` (query, key)
+    pairs on one device: 4 H K per pair forward (Q K^T and P V), `BACKWARD_OVER_FORWARD` times that back."""
+    from xlaopt.models.cudnn_attention import BACKWARD_OVER_FORWARD, BACKWARD_TARGET, FORWARD_TARGET
+
+    forward = 4.0 * _heads_per_device(program) * program.model.head_dim * pairs
+    return {FORWARD_TARGET: forward, BACKWARD_TARGET: BACKWARD_OVER_FORWARD * forward}
+
+
 def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork:
     """The work of `batch` (host arrays of the program's batch contract; the latents are not read)."""
+    from xlaopt.models.cudnn_attention import check_rows, fused_tag, pairs_computed
     from xlaopt.models.segment_attention import loop_tag, pair_counts
 
     family = family_of(program.model)
@@ -86,6 +115,10 @@ def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork
     needed = executed = 0.0
     trips: dict[str, int] = {}
     mean_trips: dict[str, float] = {}
+    fused: dict[str, dict[str, float]] = {}
+    mean_fused: dict[str, dict[str, float]] = {}
+    if impl == "cudnn":
+        check_rows({k: batch[k] for k in family.segment_keys}, program.execution.attention_max_segments)
     for q, k in family.attention_calls(batch):
         (B, L), S = q.segment_BL.shape, k.segment_BL.shape[1]
         needed += float(needed_pairs(q, k).sum())
@@ -93,7 +126,12 @@ def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork
             per_row = pair_counts(q, k, block)
             executed += float(per_row.sum()) * block * block
             trips[loop_tag(L, S)], mean_trips[loop_tag(L, S)] = _per_device_trips(per_row, program)
+        elif impl == "cudnn":
+            per_row = pairs_computed(q, k)
+            executed += float(per_row.sum())
+            busiest, mean = _per_device_trips(per_row, program)
+            fused[fused_tag(L, S)], mean_fused[fused_tag(L, S)] = _fused_flops(busiest, program), _fused_flops(mean, program)
         else:
             executed += float(B * L * S)
     return BatchWork(fill, float(family.train_flops(program.model, batch)), needed,
-                     None if impl == "io_only" else executed, trips, mean_trips)
+                     None if impl == "io_only" else executed, trips, mean_trips, fused, mean_fused)

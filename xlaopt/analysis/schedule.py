@@ -17,7 +17,8 @@ Each op carries:
 - flops: matmul FLOPs, per device, from shapes: a dot is 2 * prod(result dims) * prod(lhs
   contracting dims); a convolution 2 * prod(result) * prod(kernel) / output features; a fusion the
   sum over the dots in its fused computation; a cuBLAS gemm custom call from its dot dimension
-  numbers. Elementwise arithmetic is not counted (it is memory-bound and priced by bytes);
+  numbers; a custom call of a name scope and target the caller gives FLOPs for (cuDNN's fused
+  attention, which XLA counts as none), those, marked `fused_attention`. Elementwise arithmetic is not counted (it is memory-bound and priced by bytes);
 - bytes: memory traffic, operand + result sizes; a slice read inside a fusion (dynamic-slice of a
   parameter) counts the slice, an in-place dynamic-update-slice counts the update, not the buffer;
 - for collectives: kind, bytes in the scaling-book convention of `xlaopt.analysis.hlo`, replica groups, and
@@ -89,6 +90,9 @@ class Op:
     # The op stands for this many runs of itself (a data-dependent loop's body priced once per
     # op): flops and bytes are the total over the runs, `matmuls` the sizes of one run's.
     repeat: int = 1
+    # A fused attention kernel (cuDNN's custom call) whose FLOPs the caller gave (XLA counts none):
+    # priced at fused attention's efficiency, not by the matmul size curve.
+    fused_attention: bool = False
 
 
 @dataclasses.dataclass
@@ -453,10 +457,26 @@ def _loop_trips(attrs: str, loop_trips: dict[str, int]) -> int | None:
     return None
 
 
-def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None) -> Schedule:
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+def _given_flops(ins: Instruction, custom_call_flops: dict[str, dict[str, float]]) -> float | None:
+    """The FLOPs a caller gives a custom call: by a name scope in its op_name, then its target."""
+    target, name = _TARGET.search(ins.attrs), _OP_NAME.search(ins.attrs)
+    if ins.opcode != "custom-call" or target is None or name is None:
+        return None
+    scopes = name.group(1).split("/")
+    return next((by_target[target.group(1)] for tag, by_target in custom_call_flops.items()
+                 if tag in scopes and target.group(1) in by_target), None)
+
+
+def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
+                   custom_call_flops: dict[str, dict[str, float]] | None = None) -> Schedule:
     """The entry computation's ops in execution order (see the module docstring).
     `loop_trips`: trip counts of loops XLA cannot know, by the name scope they were traced under
-    (segment-aware attention's pair loops: as many trips as the priced batch's block pairs)."""
+    (segment-aware attention's pair loops: as many trips as the priced batch's block pairs).
+    `custom_call_flops`: {name scope: {custom call target: FLOPs of one run}} for custom calls
+    XLA counts no FLOPs for (cuDNN's fused attention, forward and backward)."""
     reader = HloReader(hlo_text)
     if reader.entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -467,6 +487,11 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None) -> S
     def template(comp: str) -> list[Op]:
         if comp not in templates:
             templates[comp] = [reader.op(comp, i, ins) for i, ins in enumerate(reader.comps.get(comp, []))]
+            for i, ins in enumerate(reader.comps.get(comp, [])) if custom_call_flops else ():
+                given = _given_flops(ins, custom_call_flops)
+                if given is not None:
+                    templates[comp][i] = dataclasses.replace(templates[comp][i], flops=given, matmuls=(given,),
+                                                             fused_attention=True)
         return templates[comp]
 
     def expand(comp: str, depth: int = 0) -> Iterator[Op]:

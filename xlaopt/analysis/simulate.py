@@ -92,6 +92,8 @@ def compute_time_s(op: Op, topology: Topology, eff: costmodel.Efficiency = costm
         return 0.0
     hbm = topology.device.hbm_bytes_per_s
     memory = op.bytes / hbm if hbm > 0 else 0.0
+    if op.fused_attention:  # a fused kernel: its own efficiency, not the matmul size curve
+        return max(costmodel.attention_time_s(op.flops, _peak(topology, "bfloat16"), eff), memory)
     if not op.matmuls:
         return memory
     peak = _peak(topology, matmul_dtype or HLO_DTYPES.get(op.dtype or "", "bfloat16"))
