@@ -57,6 +57,14 @@ def test_the_cpu_target_is_refused(tiny_config):
         TrainProgram(tiny_config, execution=CUDNN)
 
 
+def test_a_split_sequence_is_refused(tiny_config):
+    """Found on jax 0.10.2: its cuDNN attention partitioner raises "Sharding on sequence dim is not
+    allowed" deep in the compile; the program says so up front."""
+    with pytest.raises(UserError, match=r"attention=cudnn cannot split a row's sequence .* over context"):
+        TrainProgram(tiny_config, MeshSpec.parse("context=2,fsdp=2"), execution=CUDNN, target="gpu")
+    TrainProgram(tiny_config, MeshSpec.parse("fsdp=4"), execution=CUDNN, target="gpu")  # batch-split is fine
+
+
 def test_rows_over_the_segment_budget_are_refused_before_the_step(tiny_config):
     program = TrainProgram(tiny_config, settings=TrainSettings(batch=BatchShape(2, 16, 16)), execution=CUDNN,
                            target="gpu")

@@ -172,7 +172,7 @@ def batch_axes(program: TrainProgram) -> tuple[str, ...]:
 
 
 # Attentions whose work follows each row's samples: rows are balanced over the devices for them.
-_ROW_COST_ATTENTION = ("segment",)
+_ROW_COST_ATTENTION = ("segment", "cudnn")
 
 
 def row_groups(program: TrainProgram) -> int:

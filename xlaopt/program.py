@@ -93,6 +93,12 @@ class TrainProgram:
             raise UserError(f"execution setting attention=cudnn is JAX's cuDNN fused attention, which runs on NVIDIA "
                             f"GPUs only; the {self.target} target needs attention=segment (the same pairs skipped) "
                             f"or dense, or compile for --target gpu")
+        seq_axes = [a for logical, axes in self.rules if logical == "seq" for a in axes if self.mesh.size(a) > 1]
+        if self.execution.attention == "cudnn" and seq_axes:
+            # jax 0.10.2's cuDNN attention partitioner: "Sharding on sequence dim is not allowed."
+            raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
+                            f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
+                            f"a sharded sequence; drop that axis, or use attention=segment")
         self.execution.check_batch(self.settings.batch.batch_size)
         for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
                                        ("HLO", self.hlo_transforms, HloTransform)):
