@@ -81,3 +81,34 @@ def test_gpu_target_reads_async_collectives_and_their_overlap(tiny_fsdp2):
     assert sum(c["overlapped_compute_s"] for c in asynchronous) > 0
     # Overlap hides communication: the step is shorter than compute plus communication in series.
     assert result["step_time_s"] < result["compute_s"] + result["comm_s"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mix", "cosmos3-999"], "unknown mix 'cosmos3-999'; registered mixes: cosmos3-480p, cosmos3-720p"),
+    (["--mix", "cosmos3-720p", "--text-len", "512", "--gen-len", "7680"],
+     "the smallest budget that works is (512, 44160)"),
+])
+def test_bad_mix_and_row_budget_are_named(argv, message, capsys):
+    assert main(["analyze", "--model", "cosmos3-tiny", "--mesh", "fsdp=2", "--topology", "h100:1x8",
+                 "--batch-size", "2", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@needs_devices(2)
+def test_cli_prices_rows_packed_from_a_mix(tmp_path):
+    """`--mix`: the rows priced are the loader's first batch of the mix, balanced over the devices."""
+    from xlaopt.data.mixes import get_mix
+    from xlaopt.data.plan import plan_batch
+
+    out = tmp_path / "a.json"
+    argv = ["--model", "cosmos3-tiny", "--set", "num_layers=2", "--mesh", "fsdp=2", "--batch-size", "4",
+            "--text-len", "256", "--gen-len", "2048", "--exec", "attention=segment", "--exec", "attention_block=128"]
+    assert main(["analyze", *argv, "--topology", "h100:1x8", "--mix", "cosmos3-480p", "--skip-oversize",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    shape = BatchShape(4, 256, 2048)
+    plan = plan_batch(get_mix("cosmos3-480p").lengths(10_000), shape, skip_oversize=True)
+    assert result["fill"] == pytest.approx(plan.fill) and result["data"].startswith("mix cosmos3-480p")
+    assert result["attention_pairs_executed_over_needed"] >= 1.0
+    assert set(result["attention"]["pair_loop_trips_busiest_device"]) == {"xlaopt_pairs_L256_S256",
+                                                                          "xlaopt_pairs_L2048_S2304"}

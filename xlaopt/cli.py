@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "cosmos3-mid, cosmos3-720p; rows default to the mix's budget); default: the synthetic stream")
     rows.add_argument("--data", default=None, metavar="DIR",
                       help="price rows packed from this sample store as the loader packs them (its index only)")
+    p.add_argument("--skip-oversize", action="store_true",
+                   help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -419,8 +421,8 @@ def cmd_analyze(args) -> int:
                        pick(args.text_len, default.text_len), pick(args.gen_len, default.gen_len))
     program = _program(args, config, mesh, rules, batch, target=args.target)
     program, passes = _apply_pipeline(args, program, None, topology)
-    priced = (mix_batch(program, args.mix) if args.mix is not None
-              else store_batch(program, args.data) if args.data is not None else None)
+    priced = (mix_batch(program, args.mix, args.skip_oversize) if args.mix is not None
+              else store_batch(program, args.data, args.skip_oversize) if args.data is not None else None)
     result = analyze(program, topology, program.target, args.trace, args.dump_hlo, batch=priced)
     result["passes"] = passes
     print(format_analysis(result))

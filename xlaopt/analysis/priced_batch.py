@@ -51,7 +51,7 @@ def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, in
             "gen_noisy_BV": noisy}
 
 
-def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str) -> PricedBatch:
+def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str, skip_oversize: bool = False) -> PricedBatch:
     """The first global batch the loader packs from samples of these shapes (int [n, 4]: modality,
     n_text, n_gen, n_clean), laid out for the program's rows."""
     from xlaopt.compile import row_groups
@@ -62,11 +62,12 @@ def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str) -> Pric
         raise UserError(f"{source}: sample mixes and stores hold Cosmos 3 samples; {program.model.name} is priced "
                         f"on its synthetic stream (drop --mix/--data)")
     shape = program.settings.batch
-    plan = plan_batch(shapes, shape, program.settings.seed, balance_groups=row_groups(program))
+    plan = plan_batch(shapes, shape, program.settings.seed, skip_oversize=skip_oversize,
+                      balance_groups=row_groups(program))
     return PricedBatch(f"{source}, packed as the loader packs its first batch", shape, cosmos3_layout(shape, plan.rows))
 
 
-def mix_batch(program: TrainProgram, name: str) -> PricedBatch:
+def mix_batch(program: TrainProgram, name: str, skip_oversize: bool = False) -> PricedBatch:
     """`packed_batch` of a named mix (`xlaopt.data.mixes`), from enough sampled shapes that the
     loader's window (twice a batch) never runs dry."""
     from xlaopt.data.mixes import get_mix
@@ -75,11 +76,11 @@ def mix_batch(program: TrainProgram, name: str) -> PricedBatch:
     pilot = mix.lengths(10_000, seed)
     mean_tokens = max(float(pilot[:, 1:3].sum(axis=1).mean()), 1.0)
     samples = max(10_000, int(np.ceil(8 * shape.tokens / mean_tokens)))
-    return packed_batch(program, mix.lengths(samples, seed), f"mix {name}")
+    return packed_batch(program, mix.lengths(samples, seed), f"mix {name}", skip_oversize)
 
 
-def store_batch(program: TrainProgram, directory: str) -> PricedBatch:
+def store_batch(program: TrainProgram, directory: str, skip_oversize: bool = False) -> PricedBatch:
     """`packed_batch` of a sample store's samples (its shard indexes only)."""
     from xlaopt.data.store import SampleStore
 
-    return packed_batch(program, SampleStore(directory).shapes(), f"store {directory}")
+    return packed_batch(program, SampleStore(directory).shapes(), f"store {directory}", skip_oversize)
