@@ -67,7 +67,7 @@ def test_decoder_flops_by_hand():
 
 
 def test_unknown_attention_is_refused_naming_the_choices():
-    with pytest.raises(UserError, match=r"attention='flash'; use one of dense, blockwise, segment, io_only"):
+    with pytest.raises(UserError, match=r"attention='flash'; use one of dense, blockwise, segment, cudnn, io_only"):
         ExecutionConfig(attention="flash")
 
 
