@@ -97,18 +97,30 @@ def _kv_offsets_per_key_head(original):
     return patched
 
 
-@functools.cache
 def install() -> None:
-    """Patch the four functions once per process (see the module docstring)."""
+    """Patch the four functions once per process (see the module docstring), after checking that
+    they are there to patch."""
     if jax.__version__ != JAX_VERSION:
         raise UserError(f"attention=cudnn's workarounds (xlaopt/models/cudnn_jax_patches.py) are written for jax "
                         f"{JAX_VERSION}, not {jax.__version__}: check whether {', '.join(PATCHED)} still need them "
                         f"(the GQA offsets are fixed upstream after 0.10.2), or use attention=segment")
+    from jax._src.lib import cuda_versions
+
+    if cuda_versions is None:  # jaxlib without the CUDA plugin: nothing knows cuDNN here
+        raise UserError("attention=cudnn needs JAX's CUDA plugin, for a deviceless compile too: "
+                        "pip install -e '.[gpu-aot]' (or a CUDA jaxlib on a GPU machine), or use attention=segment")
     fa = _module()
     missing = [name for name in PATCHED if not hasattr(fa, name)]
     if missing:
         raise UserError(f"jax {jax.__version__} has no {', '.join(missing)} in {fa.__name__}; "
                         f"attention=cudnn cannot compile here: use attention=segment")
+    _patch()
+
+
+@functools.cache
+def _patch() -> None:
+    """Once: wrapping twice would rescale the key offsets twice."""
+    fa = _module()
     fa.check_cudnn_version = _cudnn_version(fa.check_cudnn_version)
     fa.check_compute_capability = _compared(fa.check_compute_capability, lambda have, need: have >= need, True)
     fa.is_cuda_compute_capability_equal = _compared(fa.is_cuda_compute_capability_equal,

@@ -205,9 +205,20 @@ def test_the_analysis_prices_the_fused_calls_with_the_batchs_flops(gpu_analysis,
     assert compute_time_s(dataclasses.replace(op, fused_attention=False), h100) != compute_time_s(op, h100)
 
 
+def test_without_the_cuda_plugin_the_fix_is_named(monkeypatch):
+    """Found in CI (no gpu-aot extra): jaxlib then has no cuda_versions, and cuDNN's own check fails
+    with an AttributeError deep in tracing; the patches say what to install instead."""
+    from jax._src import lib
+
+    monkeypatch.setattr(lib, "cuda_versions", None)
+    with pytest.raises(UserError, match=r"needs JAX's CUDA plugin.*gpu-aot.*attention=segment"):
+        cudnn_jax_patches.install()
+
+
 def test_flops_are_per_device_heads_under_tensor_parallelism(tiny_config):
     """The deviceless compile of this layout runs each call on H / 2 heads a device (bf16[1,4,48,32]
     for the tiny model's 8 heads): the FLOPs given follow the heads the layout splits."""
+    pytest.importorskip("jax_cuda12_plugin", reason="tracing cuDNN attention needs pip install -e '.[gpu-aot]'")
     from xlaopt.analysis.attention_work import _heads_per_device
     from xlaopt.pipeline import pipeline, run_pipeline
 
