@@ -58,7 +58,9 @@ ROW = dict(id="X1", framework="MaxText", gpu="H100-SXM-80GB", num_gpus="8", gpus
 
 
 def _write(path: Path, rows: list[dict], drop: str | None = None) -> Path:
-    columns = [c for c in ROW if c != drop]
+    """The rows as a CSV with ROW's columns (less `drop`), plus the optional ones a row sets."""
+    optional = [c for c in cal.SCHEDULE_DEFAULTS if any(c in r for r in rows)]
+    columns = [c for c in ROW if c != drop] + optional
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, columns, extrasaction="ignore")
         writer.writeheader()
@@ -106,6 +108,52 @@ def test_rows_that_cannot_be_modelled_are_reported_not_dropped(tmp_path):
     assert "at most 72 GPUs" in reasons["X6"]
     assert (result["modelled"], result["unmodelled"]) == (1, 5)
     assert "unmodelled: no topology preset" in cal.format_table(result)
+
+
+def test_a_stated_schedule_is_read_from_its_row_never_from_another_run_with_the_same_key(tmp_path):
+    # Same model, GPUs, global batch and sequence length; only the schedule columns differ.
+    rows = [{**ROW, "micro_batch": "4"}, {**ROW, "id": "X2", "micro_batch": "1"},
+            {**ROW, "id": "X3", "micro_batch": ""}]
+    runs = cal.read_runs(_write(tmp_path / "runs.csv", rows))
+    assert [r.layout.micro_batch for r in runs] == [4, 1, cal.SCHEDULE_DEFAULTS["micro_batch"]]
+    assert [r.schedule_defaulted for r in runs] == [(), (), ("micro_batch",)]
+    result = cal.calibrate(runs, leave_one_out=False)
+    by_id = {r["id"]: r for r in result["rows"]}
+    assert by_id["X1"]["predicted"] != by_id["X2"]["predicted"]  # 1 micro-batch per step against 4
+    assert by_id["X3"]["predicted"] == by_id["X2"]["predicted"]  # the default is 1
+    assert by_id["X3"]["schedule_defaults"] == {"micro_batch": 1} and by_id["X1"]["schedule_defaults"] == {}
+    assert "X3" in cal.format_table(result) and "defaulted: micro_batch=1" in cal.format_table(result)
+
+
+def test_rows_without_the_schedule_columns_are_priced_at_the_defaults(tmp_path):
+    # A model no table knows, a pipeline, and no micro_batch / virtual_stages columns at all.
+    row = {**ROW, "id": "P1", "model": "Unlisted-7B", "num_gpus": "64", "dp": "2", "fsdp": "0", "tp": "4",
+           "pp": "8", "global_batch": "64"}
+    (run,) = cal.read_runs(_write(tmp_path / "runs.csv", [row]))
+    assert (run.layout.micro_batch, run.layout.virtual_stages) == (1, 1)
+    (priced,) = cal.calibrate([run], leave_one_out=False)["rows"]
+    assert priced["method"] == "analytic" and priced["predicted"] > 0
+    assert priced["schedule_defaults"] == {"micro_batch": 1, "virtual_stages": 1}
+
+
+def test_bad_schedule_values_are_named(tmp_path):
+    with pytest.raises(UserError, match=r"row X1 \(line 2\): column 'micro_batch' must be at least 1, not '0'"):
+        cal.read_runs(_write(tmp_path / "runs.csv", [{**ROW, "micro_batch": "0"}]))
+    rows = [{**ROW, "virtual_stages": "2"}, {**ROW, "id": "X2", "micro_batch": "8"}]
+    x1, x2 = cal.read_runs(_write(tmp_path / "runs.csv", rows))
+    assert x1.unmodelled == "virtual_stages 2 without pipeline stages (pp = 1)"
+    assert x2.unmodelled == "global_batch 32 is smaller than one micro-batch of 8 per data rank (8 data ranks)"
+
+
+@needs_runs
+def test_published_rows_are_priced_with_their_own_schedule_columns():
+    with RUNS.open(newline="") as f:
+        cells = {row["id"]: row for row in csv.DictReader(f)}
+    for run in cal.read_runs(RUNS):
+        for col, default in cal.SCHEDULE_DEFAULTS.items():
+            stated = cells[run.id][col].strip()
+            assert getattr(run.layout, col) == (int(stated) if stated else default), (run.id, col)
+            assert (col in run.schedule_defaulted) == (not stated and (col == "micro_batch" or run.layout.pp > 1))
 
 
 def test_main_calibrate_writes_json_and_a_table(tmp_path):

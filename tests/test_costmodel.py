@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis import analytic, costmodel as cm
 from xlaopt.analysis.analytic import DecoderShape, Layout, Software, price_step
 from xlaopt.analysis.topology import parse_topology
 
@@ -125,3 +125,72 @@ def test_fsdp_communication_hides_behind_compute_until_the_network_is_too_slow()
     assert spread.fsdp_exposed_s > 0.5 * spread.step_time_s
     assert not math.isclose(one_node.step_time_s, spread.step_time_s)
 
+
+
+# --- FSDP and HSDP --------------------------------------------------------------------------------
+
+def _fsdp_as_before(shape, layout, topology, software, eff):
+    """fsdp_exposed_s and optimizer_s as priced before HSDP existed: the gathers and scatters over
+    every data rank (with the context ranks), the optimizer sharded over them too."""
+    layer = analytic._layer(shape, layout, topology, software, eff)
+    span = cm.group_span(layout.data * layout.cp, layout.tp, topology.devices_per_node)
+    layer_bytes = shape.layer_params / layout.tp
+    ag = cm.collective_time_s("all-gather", layer_bytes * software.param_gather_bytes, span, topology, eff)
+    rs = cm.collective_time_s("reduce-scatter", layer_bytes * software.grad_reduce_bytes, span, topology, eff)
+    per_layer = cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s)
+    fsdp_s = layout.micro_batches * (shape.layers / layout.pp * per_layer + ag)
+    owned = (shape.layers * shape.layer_params + shape.embedding_params) / layout.tp / (layout.data * layout.cp)
+    return fsdp_s, cm.memory_time_s(30 * owned, topology.device.hbm_bytes_per_s)
+
+
+@pytest.mark.parametrize("topology, layout", [
+    ("h100:16x8", Layout(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)),
+    ("h100:4x8", Layout(dp=1, fsdp=8, tp=2, pp=1, cp=2, global_batch=32, seq_len=8192, micro_batch=2)),
+])
+def test_pure_fsdp_is_priced_as_before_hsdp(topology, layout):
+    t = parse_topology(topology)
+    software = Software(grad_reduce_bytes=4)
+    b = price_step(LLAMA8B, layout, t, software, EFF)
+    fsdp_s, optimizer_s = _fsdp_as_before(LLAMA8B, layout, t, software, EFF)
+    assert b.fsdp_exposed_s > 0
+    assert b.fsdp_exposed_s == pytest.approx(fsdp_s, rel=1e-12)
+    assert b.optimizer_s == pytest.approx(optimizer_s, rel=1e-12)
+    assert b.dp_exposed_s == 0.0  # one replica: nothing to all-reduce across
+
+
+def test_hsdp_gathers_on_nvlink_and_all_reduces_only_the_shard_across_nodes():
+    t = parse_topology("h100:16x8")
+    fsdp = Layout(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)
+    hsdp = dataclasses.replace(fsdp, dp=16, fsdp=8)  # a shard group per node, 16 replicas
+    software = Software()
+    b_fsdp = price_step(LLAMA8B, fsdp, t, software, cm.FITTED)
+    b_hsdp = price_step(LLAMA8B, hsdp, t, software, cm.FITTED)
+    # The premise: FSDP over the network is communication bound at these short rows.
+    assert b_fsdp.fsdp_exposed_s > 0.5 * b_fsdp.step_time_s
+    assert b_hsdp.step_time_s < 0.8 * b_fsdp.step_time_s
+
+    # HSDP's gathers are priced as an FSDP of 8 inside one node (NVLink only) ...
+    one_node = dataclasses.replace(fsdp, fsdp=8, global_batch=8)  # same micro-batches per step
+    assert cm.group_span(hsdp.shard_ranks, hsdp.tp, t.devices_per_node) == cm.GroupSpan(8, 1)
+    fsdp_s, _ = _fsdp_as_before(LLAMA8B, one_node, parse_topology("h100:1x8"), software, cm.FITTED)
+    assert b_hsdp.fsdp_exposed_s == pytest.approx(fsdp_s, rel=1e-12)
+    # ... and the optimizer runs on 1/8 of the parameters (replicated over the 16 replicas).
+    assert b_hsdp.optimizer_s == pytest.approx(16 * b_fsdp.optimizer_s, rel=1e-12)
+
+    # Across nodes only the gradient shard is all-reduced, one GPU per node in the ring.
+    shard_grad_bytes = LLAMA8B.params / 8 * software.grad_reduce_bytes
+    all_reduce = cm.collective_time_s("all-reduce", shard_grad_bytes, cm.GroupSpan(1, 16), t, cm.FITTED)
+    exposed = price_step(LLAMA8B, hsdp, t, dataclasses.replace(software, dp_overlap=False), cm.FITTED).dp_exposed_s
+    assert exposed == pytest.approx(all_reduce, rel=1e-12)
+    assert 0 < b_hsdp.dp_exposed_s < all_reduce  # overlapped with one micro-batch's backward
+
+
+def test_hsdp_replicas_inside_a_node_reduce_on_nvlink():
+    # 2 replicas of a 4-rank shard group on one 8-GPU node: nothing crosses the network, so a
+    # network 1000x slower changes nothing.
+    layout = Layout(dp=2, fsdp=4, tp=1, pp=1, cp=1, global_batch=16, seq_len=1024)
+    t = parse_topology("h100:1x8")
+    slow_network = cm.Efficiency(**{**vars(cm.FITTED), "network": 0.001})
+    software = Software(dp_overlap=False)
+    fast, slow = (price_step(LLAMA8B, layout, t, software, e) for e in (cm.FITTED, slow_network))
+    assert fast.dp_exposed_s > 0 and fast == slow

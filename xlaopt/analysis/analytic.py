@@ -7,8 +7,14 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   traffic (and fp8 casts) at HBM bandwidth; backward = 2x forward (2.5x for flash attention);
   recomputation as the source runs it; the LM head and loss on the last stage;
 - FSDP: per layer, all-gather parameters for forward and again for backward, reduce-scatter
-  gradients in backward, each overlapped with that layer's compute (exposed = max(0, comm -
-  compute)); the first layer's gather of each micro-batch cannot be prefetched;
+  gradients in backward, each within the shard group (the `fsdp` ranks and the context ranks
+  inside them) and overlapped with that layer's compute (exposed = max(0, comm - compute)); the
+  first layer's gather of each micro-batch cannot be prefetched;
+- HSDP (`fsdp` > 1 and `dp` > 1): the shard group above, replicated over `dp` replica groups; each
+  rank's gradient shard (1/shard of its parameters) is all-reduced over its replica group once per
+  step, overlapped with one micro-batch's backward (the shards accumulate over micro-batches and
+  are reduced across replicas after the last, as FSDP2's `set_requires_all_reduce` allows);
+  optimizer state is sharded over the shard group only;
 - data parallel with a sharded optimizer (Megatron's distributed optimizer): one gradient
   reduce-scatter and one parameter all-gather per step, overlapped with one micro-batch where the
   framework does so; plain data parallel: one all-reduce at the end of the step;
@@ -22,7 +28,9 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound.
 
 Ranks are laid out tensor innermost, then context, then data, then pipeline (Megatron's order),
-so a tensor group sits inside a node and pipeline neighbours are furthest apart.
+so a tensor group sits inside a node and pipeline neighbours are furthest apart. Within data, the
+FSDP shard ranks are inner and the HSDP replicas outer, so a shard group of 8 on 8-GPU nodes is
+one node and its replica group spans the network.
 """
 from __future__ import annotations
 
@@ -126,8 +134,9 @@ class DecoderShape:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Parallel degrees and batch split of a run. `fsdp` > 1 shards parameters per layer;
-    `dp` is data parallel with replicated parameters."""
+    """Parallel degrees and batch split of a run. `fsdp` > 1 shards parameters per layer over
+    `fsdp` ranks; `dp` is data parallel with replicated parameters. Both > 1 is HSDP: parameters
+    sharded within each group of `fsdp` ranks, replicated over `dp` such groups."""
     dp: int
     fsdp: int
     tp: int
@@ -141,6 +150,12 @@ class Layout:
     @property
     def data(self) -> int:
         return max(self.dp, 1) * max(self.fsdp, 1)
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one copy of the parameters (and, FSDP or HSDP, of the optimizer state) is
+        sharded over: the FSDP group with the context ranks inside it."""
+        return max(self.fsdp, 1) * self.cp
 
     @property
     def num_devices(self) -> int:
@@ -276,11 +291,12 @@ def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: 
     which cannot be prefetched)."""
     if layout.fsdp <= 1:
         return 0.0, 0.0
-    data_span = cm.group_span(layout.data * layout.cp, layout.tp, topology.devices_per_node)
+    # Within the shard group only: with HSDP the replicas (dp) sit outside it and take no part.
+    shard_span = cm.group_span(layout.shard_ranks, layout.tp, topology.devices_per_node)
     ag = cm.collective_time_s("all-gather", shape.layer_params / layout.tp * software.param_gather_bytes,
-                              data_span, topology, eff)
+                              shard_span, topology, eff)
     rs = cm.collective_time_s("reduce-scatter", shape.layer_params / layout.tp * software.grad_reduce_bytes,
-                              data_span, topology, eff)
+                              shard_span, topology, eff)
     return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s), ag
 
 
@@ -307,9 +323,12 @@ def _pp_send_s(layer: _Layer, layout: Layout, topology: Topology, software: Soft
 def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Layout,
                 topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """Data-parallel gradient sync once per step (FSDP's runs per layer instead): a reduce-scatter
-    and a parameter all-gather with a sharded optimizer, else one all-reduce; overlapped with one
+    and a parameter all-gather with a sharded optimizer, else one all-reduce; with HSDP, the
+    all-reduce of each rank's gradient shard over its replica group. Overlapped with one
     micro-batch's backward and forward where the framework does so."""
-    if layout.fsdp > 1 or layout.data * layout.cp <= 1:
+    if layout.fsdp > 1:
+        return _hsdp_replica_exposed(layer, layers_per_stage, params_per_gpu, layout, topology, software, eff)
+    if layout.data * layout.cp <= 1:
         return 0.0
     span = cm.group_span(layout.data * layout.cp, layout.tp, topology.devices_per_node)
     if software.sharded_optimizer:
@@ -325,9 +344,32 @@ def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, l
     return cm.exposed_s(rs, one_mb_bwd) + cm.exposed_s(ag, one_mb_fwd)
 
 
+def _hsdp_replica_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Layout,
+                          topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+    """HSDP's hierarchical reduction: each rank all-reduces its gradient shard (1/shard of its
+    parameters; the shard group reduce-scattered the rest away) with the same shard on the other
+    replicas, once per step; none with pure FSDP (one replica)."""
+    if layout.dp <= 1:
+        return 0.0
+    # Replicas are `shard_ranks` groups of `tp` ranks apart: outside the shard group in rank order.
+    replica_span = cm.group_span(layout.dp, layout.tp * layout.shard_ranks, topology.devices_per_node)
+    shard_grad_bytes = params_per_gpu / layout.shard_ranks * software.grad_reduce_bytes
+    ar = cm.collective_time_s("all-reduce", shard_grad_bytes, replica_span, topology, eff)
+    if not software.dp_overlap:
+        return ar
+    return cm.exposed_s(ar, layers_per_stage * layer.bwd_s / layout.virtual_stages)
+
+
 def _optimizer_s(params_per_gpu: float, layout: Layout, topology: Topology, software: Software) -> float:
-    """AdamW over the parameters this GPU owns (its share when the optimizer state is sharded)."""
-    shards = layout.data * layout.cp if (software.sharded_optimizer or layout.fsdp > 1) else 1
+    """AdamW over the parameters this GPU owns (its share when the optimizer state is sharded):
+    FSDP and HSDP shard it over the shard group (HSDP replicates it over dp), a sharded optimizer
+    without FSDP over every data rank."""
+    if layout.fsdp > 1:
+        shards = layout.shard_ranks
+    elif software.sharded_optimizer:
+        shards = layout.data * layout.cp
+    else:
+        shards = 1
     return cm.memory_time_s(_ADAMW_BYTES_PER_PARAM * params_per_gpu / shards, topology.device.hbm_bytes_per_s)
 
 

@@ -16,9 +16,12 @@ shape, batch, parallel degrees, recomputation, precision, and the measured `step
 Rows that cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not
 multiply to the GPU count, ...) come back with method "unmodelled" and the reason, never dropped.
 
-What the CSV does not say, and the sources do, is in `_SOURCED_SCHEDULES` (micro-batch size,
-virtual pipeline stages) and `_FRAMEWORKS` (how each framework runs: fused kernels, overlap,
-reduction dtypes); everything else unstated is assumed as documented there.
+A row's schedule (`micro_batch`, `virtual_stages`) is read from its own optional columns; where a
+column is absent or empty the documented default in `SCHEDULE_DEFAULTS` applies, and the row's
+report lists the facts that were defaulted. Nothing is looked up by a row's other values: two runs
+of the same model, GPU count and batch may run different schedules. How each framework runs
+(fused kernels, overlap, reduction dtypes) is in `_FRAMEWORKS`; everything else unstated is
+assumed as documented there.
 """
 from __future__ import annotations
 
@@ -44,25 +47,11 @@ REQUIRED_VALUES = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "layer
 METRICS = ("step_time_s", "tokens_per_s_per_gpu")
 METHODS = ("analytic", "compiled")
 
-# Micro-batch size and virtual pipeline stages the sources give but the CSV does not, keyed by
-# (model, num_gpus, global_batch, seq_len). Without an entry: 1 sequence per micro-batch, no
-# interleaving.
-_SOURCED_SCHEDULES = {
-    # MaxText configs/a3/llama_2_7b/1vm.sh: per_device_batch_size=4, no gradient accumulation.
-    ("Llama-2-7B", 8, 32, 4096): dict(micro_batch=4),
-    # TorchTitan benchmarks: local batch size 2 (Table 1), 16 (the 70B async-TP page).
-    ("Llama-3.1-8B", 8, 16, 8192): dict(micro_batch=2),
-    ("Llama-3.1-70B", 256, 512, 8192): dict(micro_batch=16),
-    # NeMo 24.07 performance_summary.md: MBS 1 / VP 1 (8B), MBS 1 / VP 5 (70B), MBS 2 / VP 6 (175B).
-    ("Llama-3-8B", 8, 128, 8192): dict(micro_batch=1),
-    ("Llama-3-70B", 64, 128, 8192): dict(micro_batch=1, virtual_stages=5),
-    ("GPT-3 175B", 512, 2048, 2048): dict(micro_batch=2, virtual_stages=6),
-    # Megatron-Bridge performance-summary.md 25.11: GB200 70B MBS 2 (GA 2).
-    ("Llama-3-70B", 64, 256, 8192): dict(micro_batch=2),
-    # LLM Foundry benchmarking README, A100 80GB table: MicroBatchSize 8, GradAccum 4.
-    ("MPT-70B", 64, 2048, 2048): dict(micro_batch=8),
-    # Megatron-LM SC21 1T (arXiv:2104.04473): micro-batch 1 and the plain 1F1B schedule assumed.
-}
+# Schedule facts a row may state in optional columns, and what is assumed when it does not:
+# one sequence per micro-batch (the smallest, as Megatron-style pipelines run; the most
+# micro-batches, so FSDP's per-micro-batch gathers are never under-counted) and no interleaved
+# pipeline chunks (the plain 1F1B schedule). The defaults never depend on the row's other values.
+SCHEDULE_DEFAULTS = {"micro_batch": 1, "virtual_stages": 1}
 
 # Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
 _KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
@@ -100,6 +89,7 @@ class Run:
     metric: str
     measured: float
     unmodelled: str = ""  # why, when the row cannot be priced
+    schedule_defaulted: tuple[str, ...] = ()  # schedule columns not stated, priced at SCHEDULE_DEFAULTS
 
     @property
     def tokens_per_step(self) -> int:
@@ -143,20 +133,32 @@ def _parse_row(row: dict, line: int, path: pathlib.Path) -> Run:
     metric = row["metric"].strip()
     if metric not in METRICS:
         raise UserError(f"{where}: metric {metric!r}; use one of {METRICS}")
+    schedule, defaulted = {}, []
+    for col, default in SCHEDULE_DEFAULTS.items():
+        if (row.get(col) or "").strip():  # absent column (None) or empty cell: not stated
+            schedule[col] = num(col)
+            if schedule[col] < 1:
+                raise UserError(f"{where}: column {col!r} must be at least 1, not {row[col].strip()!r}")
+        else:
+            schedule[col] = default
+            if col != "virtual_stages" or num("pp") > 1:  # interleaving means nothing without a pipeline
+                defaulted.append(col)
     layout = Layout(dp=num("dp"), fsdp=num("fsdp"), tp=max(num("tp"), 1), pp=max(num("pp"), 1),
-                    cp=max(num("cp"), 1), global_batch=num("global_batch"), seq_len=num("seq_len"))
+                    cp=max(num("cp"), 1), global_batch=num("global_batch"), seq_len=num("seq_len"), **schedule)
     model = row["model"].strip()
-    layout = dataclasses.replace(layout, **_SOURCED_SCHEDULES.get(
-        (model, num("num_gpus"), layout.global_batch, layout.seq_len), {}))
     shape, why = _shape(row, model, num)
     if not why and layout.num_devices != num("num_gpus"):
         why = (f"dp x fsdp x tp x pp x cp = {layout.num_devices} is not num_gpus = {num('num_gpus')}")
     if not why and layout.micro_batches < 1:
-        why = f"global_batch {layout.global_batch} is smaller than one micro-batch per data rank"
+        why = (f"global_batch {layout.global_batch} is smaller than one micro-batch of {layout.micro_batch} "
+               f"per data rank ({layout.data} data ranks)")
+    if not why and layout.virtual_stages > 1 and layout.pp <= 1:
+        why = f"virtual_stages {layout.virtual_stages} without pipeline stages (pp = {layout.pp})"
     return Run(id=row["id"].strip(), framework=row["framework"].strip(), gpu=row["gpu"].strip(),
                num_gpus=num("num_gpus"), gpus_per_node=num("gpus_per_node"), model=model, shape=shape,
                layout=layout, act_ckpt=row["act_ckpt"].strip(), precision=row["precision"].strip(),
-               metric=metric, measured=num("value", float), unmodelled=why)
+               metric=metric, measured=num("value", float), unmodelled=why,
+               schedule_defaulted=tuple(defaulted))
 
 
 def _shape(row: dict, model: str, num) -> tuple[DecoderShape | None, str]:
@@ -347,23 +349,25 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
     steps = compile_rows(priced, attention, log) if method == "compiled" else {}
     rows = []
     for run, p in prepared:
+        # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row.
+        defaults = {"schedule_defaults": {c: SCHEDULE_DEFAULTS[c] for c in run.schedule_defaulted}}
         if isinstance(p, str):
             rows.append(dict(id=run.id, predicted=None, measured=run.measured, rel_error=None,
-                             method="unmodelled", metric=run.metric, reason=p))
+                             method="unmodelled", metric=run.metric, reason=p, **defaults))
             continue
         step = steps.get(run.id)
         if step is None or isinstance(step, str):
             predicted = predict(p, eff)
             rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
                              rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric,
-                             **({"reason": step} if step else {})))
+                             **({"reason": step} if step else {}), **defaults))
             continue
         priced_step = step.price(eff)
         predicted = metric_of(run, priced_step["step_time_s"])
         rows.append(dict(id=run.id, predicted=predicted, measured=run.measured, rel_error=predicted / run.measured - 1,
                          method="compiled", metric=run.metric, analytic_predicted=predict(p, eff),
                          mesh=str(step.mesh), attention=step.attention, compile_s=step.timings_s,
-                         breakdown=priced_step, approximations=step.approximations))
+                         breakdown=priced_step, approximations=step.approximations, **defaults))
     errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     result = dict(method=method, efficiency=dataclasses.asdict(eff), rows=rows,
                   median_abs_rel_error=float(np.median(errors)) if errors else None,
@@ -442,6 +446,8 @@ def format_table(result: dict) -> str:
         method = r["method"] + (f" (not compiled: {r['reason']})" if r.get("reason") else "")
         if r["method"] == "compiled":
             method += f" on {r['mesh']}, {r['compile_s']['lower'] + r['compile_s']['compile']:.0f} s to compile"
+        if r.get("schedule_defaults"):
+            method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in r["schedule_defaults"].items())
         lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g}{analytic} "
                      f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {method}")
     if result["median_abs_rel_error"] is not None:
