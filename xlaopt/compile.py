@@ -28,7 +28,7 @@ from xlaopt.mesh import make_mesh
 from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, rows_split_over
 from xlaopt.program import TrainProgram
-from xlaopt.sharding import logical_to_spec
+from xlaopt.sharding import logical_to_spec, mesh_axes_of
 from xlaopt.step import abstract_state, batch_spec, build_grad_fn, build_init, build_train_step
 
 
@@ -166,9 +166,7 @@ def batch_axes(program: TrainProgram) -> tuple[str, ...]:
     """The mesh axes the program's layout splits the batch's rows over (none before a layout)."""
     if program.shardings is None:
         return ()
-    spec = logical_to_spec(("batch",), (program.settings.batch.batch_size,), program.rules, program.mesh, "the batch")
-    entry = spec[0] if len(spec) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return mesh_axes_of("batch", program.settings.batch.batch_size, program.rules, program.mesh, "the batch")
 
 
 # Attentions whose work follows each row's samples: rows are balanced over the devices for them.

@@ -75,3 +75,11 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], ru
     while out and out[-1] is None:
         out.pop()
     return PartitionSpec(*out)
+
+
+def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec, what: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) one dimension of logical axis `logical` and length `size` is
+    split over."""
+    spec = logical_to_spec((logical,), (size,), rules, mesh, what)
+    entry = spec[0] if len(spec) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

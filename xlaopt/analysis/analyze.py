@@ -108,7 +108,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
     model_flops = work.model_flops
     n = program.mesh.num_devices
-    hlo_flops = n * _mean_device_flops(text, work)
+    averaged = work.loop_trips or work.mean_custom_call_flops != work.custom_call_flops
+    hlo_flops = n * (_mean_device_flops(text, work) if averaged else schedule.flops)
     memory = executable.memory_analysis()
     mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
            "aliased": int(memory.alias_size_in_bytes), "temp": int(memory.temp_size_in_bytes)}

@@ -83,14 +83,12 @@ def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, 
 def _heads_per_device(program: TrainProgram) -> int:
     """Query heads of one device's attention: the heads split over the mesh axes the layout gives
     the attention's heads (none before a layout)."""
-    from xlaopt.sharding import logical_to_spec
+    from xlaopt.sharding import mesh_axes_of
 
     heads = program.model.num_heads
     if program.shardings is None:
         return heads
-    spec = logical_to_spec(("act_heads",), (heads,), program.rules, program.mesh, "the attention heads")
-    entry = spec[0] if len(spec) else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = mesh_axes_of("act_heads", heads, program.rules, program.mesh, "the attention heads")
     return heads // math.prod(program.mesh.size(a) for a in axes)
 
 
