@@ -80,3 +80,86 @@ def test_analyze_prices_the_layout_file(tmp_path, capsys):
     # Without FSDP nothing is gathered; the gradient is all-reduced over the batch split instead.
     kinds = lambda r: {c["kind"] for c in r["collectives"]}
     assert "all-gather" in kinds(fsdp) and "all-gather" not in kinds(replicated) and "all-reduce" in kinds(replicated)
+
+
+HSDP_ORDERED = {"model": "llama-tiny", "topology": "h100:2x4", "mesh": {"data": 2, "fsdp": 4},
+                "order": ["data", "fsdp", "context", "tensor"],
+                "batch": {"batch_size": 8, "text_len": 32, "gen_len": 0},
+                "execution": {"remat": "full", "compute_dtype": "float32"}}
+
+
+def test_layout_file_holds_order_batch_execution_and_round_trips_as_toml(tmp_path):
+    (tmp_path / "l.json").write_text(json.dumps(HSDP_ORDERED))
+    layout = load_layout(tmp_path / "l.json")
+    assert layout.mesh.order == ("data", "fsdp", "context", "tensor")
+    assert (layout.batch.batch_size, layout.batch.text_len, layout.execution.remat) == (8, 32, "full")
+    assert (layout.model, layout.topology) == ("llama-tiny", "h100:2x4")
+    save_layout(layout, tmp_path / "l.toml")
+    assert load_layout(tmp_path / "l.toml") == layout
+
+
+def test_order_places_the_inner_axes_inside_a_node():
+    """Devices are numbered node-major; the innermost axis of the order varies fastest."""
+    spec = MeshSpec.parse("data=2,fsdp=4")
+    assert spec.placement() == tuple(range(8))  # the default order: fsdp inner
+    swapped = spec.with_order(("fsdp", "data", "tensor", "context"))
+    # Logical (data d, fsdp f) -> device 2 f + d: an fsdp group strides over both 4-device nodes.
+    assert swapped.placement() == (0, 2, 4, 6, 1, 3, 5, 7)
+    assert swapped != spec and "devices ordered fsdp>data" in str(swapped)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"order": ["data", "fsdp"]}, "must name each of data, fsdp, tensor, context once"),
+    ({"batch": {"rows": 8}}, "batch has unknown fields ['rows']"),
+    ({"batch": {"batch_size": "8"}}, "batch.batch_size = '8' must be int"),
+    ({"execution": {"remat": "sometimes"}}, "execution setting remat='sometimes'"),
+    ({"model": 3}, "model = 3 must be a string"),
+])
+def test_bad_layout_extras_name_the_field(tmp_path, change, message):
+    (tmp_path / "l.json").write_text(json.dumps(dict(HSDP_ORDERED, **change)))
+    with pytest.raises(LayoutError) as e:
+        load_layout(tmp_path / "l.json")
+    assert message in str(e.value)
+
+
+def test_layout_for_another_model_or_topology_is_one_line(tmp_path, capsys):
+    (tmp_path / "l.json").write_text(json.dumps(HSDP_ORDERED))
+    assert main(["analyze", "--model", "cosmos3-tiny", "--topology", "h100:2x4", "--layout",
+                 str(tmp_path / "l.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "planned for model llama-tiny, not cosmos3-tiny" in err and len(err.splitlines()) == 1
+    assert main(["analyze", "--model", "llama-tiny", "--topology", "h100:4x2", "--layout",
+                 str(tmp_path / "l.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "planned for topology h100:2x4, not h100:4x2" in err and "xlaopt plan --from" in err
+
+
+@needs_devices(8)
+def test_hsdp_two_level_mesh_priced_by_where_the_order_puts_each_axis(tmp_path):
+    """HSDP on 2 "nodes" of 4: the shard axis (fsdp) inside a node puts the parameter gathers and
+    gradient reduce-scatters on NVLink and only the replica all-reduce on the network; the
+    swapped order sends the shard traffic over the network instead. Same program, same bytes."""
+    results = {}
+    for name, order in (("inner", HSDP_ORDERED["order"]), ("outer", ["fsdp", "data", "context", "tensor"])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(dict(HSDP_ORDERED, order=order)))
+        assert main(["analyze", "--model", "llama-tiny", "--topology", "h100:2x4", "--layout", str(path),
+                     "--json", str(tmp_path / f"{name}.out")]) == 0
+        results[name] = json.loads((tmp_path / f"{name}.out").read_text())
+    links = lambda r: {(c["mesh_axes"], c["link_level"]) for c in r["collectives"] if c["mesh_axes"] != "-"}
+    assert {level for axes, level in links(results["inner"]) if axes == "fsdp"} == {"nvlink4"}
+    assert {level for axes, level in links(results["inner"]) if axes == "data"} == {"ib-400g"}
+    assert {level for axes, level in links(results["outer"]) if axes == "fsdp"} == {"ib-400g"}
+    assert {level for axes, level in links(results["outer"]) if axes == "data"} == {"nvlink4"}
+    by_axis = lambda r: {a: c["bytes"] for a, c in r["comm_by_axis"].items()}
+    assert by_axis(results["inner"]) == by_axis(results["outer"])
+    assert results["inner"]["step_time_s"] < results["outer"]["step_time_s"]
+
+
+@needs_devices(8)
+def test_verify_an_hsdp_layout_with_swapped_device_order(tmp_path, capsys):
+    """Which device holds which shard does not change what is computed."""
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps(dict(HSDP_ORDERED, order=["fsdp", "data", "context", "tensor"])))
+    assert main(["verify", "--model", "llama-tiny", "--layout", str(path)]) == 0
+    assert "(devices ordered fsdp>data)" in capsys.readouterr().out

@@ -27,9 +27,11 @@ def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     _model_args(p)
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
     p.add_argument("--layout", default=None, metavar="FILE",
-                   help="a layout file (TOML/JSON: mesh and logical-axis rules; see xlaopt.layout) instead of --mesh")
-    p.add_argument("--dtype", default=default_dtype,
-                   help=f"compute dtype, the execution setting compute_dtype (default {default_dtype})")
+                   help="a layout file (TOML/JSON: mesh, device order, rules, batch, execution; see xlaopt.layout, "
+                        "written by `xlaopt plan --out`) instead of --mesh; sizes and --exec given here override its own")
+    p.add_argument("--dtype", default=None,
+                   help=f"compute dtype, the execution setting compute_dtype (default: the layout's, else {default_dtype})")
+    p.set_defaults(default_dtype=default_dtype)
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="an execution setting (xlaopt.execution: remat, attention, attention_block, layer_stack, "
                         "micro_batches), e.g. --exec remat=full (repeatable); a resume accepts any")
@@ -46,6 +48,48 @@ def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--dump-hlo", default=None, metavar="DIR",
                    help="write the lowered and compiled HLO before the pipeline and after each pass")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
+
+
+def _global_batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="rows (sequences) per optimizer step over all devices; the same as --batch-size")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="tokens per row: a decoder's sequence length; for Cosmos 3 a row's text + generator "
+                        "tokens, split in the ratio of the mix's row budget (--mix) or the family default's")
+
+
+def _apply_global_batch(args, config) -> None:
+    """`--global-batch` and `--seq` as the batch-size and row-length arguments they stand for."""
+    from xlaopt.families import family_of
+
+    if args.global_batch is not None:
+        if args.batch_size is not None and args.batch_size != args.global_batch:
+            raise UserError(f"--global-batch {args.global_batch} and --batch-size {args.batch_size} disagree; "
+                            f"they are the same setting, pass one")
+        args.batch_size = args.global_batch
+    if args.seq is None:
+        return
+    if args.seq < 2:
+        raise UserError(f"--seq {args.seq}: a row needs at least 2 tokens")
+    if config.family != "cosmos3":
+        given = {"--text-len": args.text_len, "--gen-len": args.gen_len}
+        if any(v is not None for v in given.values()):
+            raise UserError(f"--seq is {config.name}'s sequence length; drop --text-len/--gen-len")
+        args.text_len, args.gen_len = args.seq, 0
+        return
+    from xlaopt.data.loader import split_budget
+
+    if args.text_len is not None or args.gen_len is not None:
+        raise UserError("--seq splits a row between text and generator tokens itself; give --seq or "
+                        "--text-len/--gen-len, not both")
+    if getattr(args, "mix", None) is not None:
+        from xlaopt.data.mixes import get_mix
+
+        text, gen = get_mix(args.mix).row
+    else:
+        default = family_of(config).default_batch
+        text, gen = default.text_len, default.gen_len
+    args.text_len, args.gen_len = split_budget(args.seq, text, gen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="price rows packed from this sample store as the loader packs them (its index only)")
     p.add_argument("--skip-oversize", action="store_true",
                    help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
+    _global_batch_args(p)
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -229,7 +274,8 @@ def _program_on_devices(args):
     from xlaopt.families import family_of
     from xlaopt.runtime import distributed
 
-    mesh, rules = _mesh_and_rules(args)
+    layout = _layout(args)
+    mesh, rules = layout.mesh, layout.rules
     config = get_config(args.model, parse_overrides(args.model, args.set))
     job = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]  # `train` only
     if distributed.check_args(*job):
@@ -290,22 +336,33 @@ def _program(args, config, mesh, rules, batch, target: str = "cpu"):
     from xlaopt.program import TrainProgram, TrainSettings
     from xlaopt.transforms.compiler_options import CompilerOptions
 
-    execution = parse_execution(args.exec, ExecutionConfig(compute_dtype=args.dtype))
+    base = args.layout_execution or ExecutionConfig()
+    execution = parse_execution(args.exec, dataclasses.replace(base, compute_dtype=args.dtype))
     return TrainProgram(config, mesh, rules=rules, settings=TrainSettings(batch=batch, seed=args.seed),
                         execution=execution, target=target, compiler_options=CompilerOptions.parse(args.xla_option))
 
 
-def _mesh_and_rules(args):
-    """The mesh and rule table of `--mesh` (default rules) or of `--layout FILE`."""
-    from xlaopt.layout import load_layout
-    from xlaopt.sharding import DEFAULT_RULES
+def _layout(args):
+    """The layout of `--mesh` (default rules and order) or of `--layout FILE`. A file's batch and
+    execution fill in what the command line leaves unset (kept on `args`), its model is checked."""
+    from xlaopt.layout import Layout, load_layout
 
+    args.layout_execution = None
     if args.layout is None:
-        return MeshSpec.parse(args.mesh), DEFAULT_RULES
-    if args.mesh:
-        raise UserError("--mesh and --layout both given; a layout file holds its mesh, pass one or the other")
-    layout = load_layout(args.layout)
-    return layout.mesh, layout.rules
+        layout = Layout(MeshSpec.parse(args.mesh))
+    else:
+        if args.mesh:
+            raise UserError("--mesh and --layout both given; a layout file holds its mesh, pass one or the other")
+        layout = load_layout(args.layout)
+        layout.check_model(args.model, args.layout)
+        args.layout_execution = layout.execution
+        if layout.batch is not None:
+            for name in ("batch_size", "text_len", "gen_len"):
+                if getattr(args, name) is None:
+                    setattr(args, name, getattr(layout.batch, name))
+    if args.dtype is None:
+        args.dtype = layout.execution.compute_dtype if layout.execution is not None else args.default_dtype
+    return layout
 
 
 def _apply_pipeline(args, program, dump_dir, topology=None):
@@ -397,7 +454,12 @@ def cmd_analyze(args) -> int:
     from xlaopt.families import family_of
 
     topology = parse_topology(args.topology)
-    mesh, rules = _mesh_and_rules(args)
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    _apply_global_batch(args, config)
+    layout = _layout(args)
+    if args.layout is not None:
+        layout.check_topology(topology.name, args.layout)
+    mesh, rules = layout.mesh, layout.rules
     if mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {mesh} needs {mesh.num_devices} devices but topology {topology.name} has "
                         f"{topology.num_devices}; use a smaller mesh or a larger topology")
@@ -410,7 +472,6 @@ def cmd_analyze(args) -> int:
     from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
     from xlaopt.analysis.priced_batch import mix_batch, store_batch
 
-    config = get_config(args.model, parse_overrides(args.model, args.set))
     default = family_of(config).default_batch
     if args.mix is not None:  # rows of the budget the mix is weighted for, unless given
         from xlaopt.data.mixes import get_mix

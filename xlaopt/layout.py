@@ -1,18 +1,28 @@
-"""Layout files: a mesh and the logical-axis rule table, as one reviewable, reusable file.
+"""Layout files: how one run is laid out, as one reviewable, reusable file.
 
 `--mesh` names only axis sizes and keeps the default rule table (`xlaopt.sharding`); a
-layout file also says which mesh axes each logical axis shards over, so a layout found by
-hand or by a planner can be priced (`xlaopt analyze --layout`), trained and diffed:
+layout file says everything a planner decides, so a layout found by hand or by `xlaopt plan`
+can be priced (`xlaopt analyze --layout`), trained, verified, diffed and re-planned:
 
     # layout.toml
-    mesh = { data = 2, fsdp = 64, tensor = 8 }
-    # Optional; ordered: for each array dimension the first rule naming its logical axis
-    # whose mesh axes are still free wins. Omitted: the default table.
+    model = "cosmos3-nano"          # optional: what it was planned for (checked when given)
+    topology = "h100:16x8"          # optional: the cluster it was planned for (checked by analyze)
+    mesh = { data = 16, fsdp = 8 }
+    # Optional: the mesh axes from outermost to innermost over the devices (numbered node-major);
+    # the last ones stay inside a node. Default: data, fsdp, tensor, context.
+    order = ["data", "fsdp", "context", "tensor"]
+    # Optional; ordered: for each array dimension the first rule naming its logical axis whose
+    # mesh axes are still free wins. Omitted: the default table.
     rules = [
       ["batch", ["data", "fsdp"]],
       ["embed", ["fsdp"]],
       ["heads", ["tensor"]],
     ]
+    # Optional: the global batch it was planned for (rows, and a row's text and generator
+    # tokens; a decoder's sequence is text_len). Command-line sizes override it.
+    batch = { batch_size = 128, text_len = 896, gen_len = 44160 }
+    # Optional: the execution config (`xlaopt.execution`); `--exec` applies on top of it.
+    execution = { remat = "full", attention = "cudnn", micro_batches = 1, compute_dtype = "bfloat16" }
 
 JSON with the same keys works too (`.json`). Rules are a list of pairs, not a table,
 because their order decides ties.
@@ -23,12 +33,15 @@ import dataclasses
 import json
 import pathlib
 import tomllib
+from typing import get_type_hints
 
+from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MESH_AXES, MeshError, MeshSpec
 from xlaopt.sharding import DEFAULT_RULES, Rule, validate_rules
 
-KEYS = ("mesh", "rules")
+KEYS = ("model", "topology", "mesh", "order", "rules", "batch", "execution")
 
 
 class LayoutError(UserError):
@@ -37,12 +50,40 @@ class LayoutError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    mesh: MeshSpec
+    mesh: MeshSpec  # its sizes and its order over the devices
     rules: tuple[Rule, ...] = DEFAULT_RULES
+    batch: BatchShape | None = None  # the global batch it was planned for
+    execution: ExecutionConfig | None = None
+    model: str | None = None  # the registered model it was planned for
+    topology: str | None = None  # the topology it was planned for (`h100:16x8`)
 
     def to_json(self) -> dict:
-        return {"mesh": {a: s for a, s in self.mesh.as_dict().items() if s > 1},
-                "rules": [[logical, list(axes)] for logical, axes in self.rules]}
+        out: dict = {}
+        if self.model is not None:
+            out["model"] = self.model
+        if self.topology is not None:
+            out["topology"] = self.topology
+        out["mesh"] = {a: s for a, s in self.mesh.as_dict().items() if s > 1} or {"data": 1}
+        if self.mesh.order != MESH_AXES:
+            out["order"] = list(self.mesh.order)
+        out["rules"] = [[logical, list(axes)] for logical, axes in self.rules]
+        if self.batch is not None:
+            out["batch"] = dataclasses.asdict(self.batch)
+        if self.execution is not None:
+            default = ExecutionConfig()
+            out["execution"] = {f.name: getattr(self.execution, f.name) for f in dataclasses.fields(ExecutionConfig)
+                                if getattr(self.execution, f.name) != getattr(default, f.name)}
+        return out
+
+    def check_model(self, name: str, where: str = "layout") -> None:
+        if self.model is not None and self.model != name:
+            raise LayoutError(f"{where} was planned for model {self.model}, not {name}; pass --model {self.model} "
+                              f"or plan one for {name} (xlaopt plan --model {name} ...)")
+
+    def check_topology(self, name: str, where: str = "layout") -> None:
+        if self.topology is not None and self.topology != name:
+            raise LayoutError(f"{where} was planned for topology {self.topology}, not {name}; price it on "
+                              f"{self.topology}, or re-plan: xlaopt plan --from {where} --topology {name}")
 
 
 def parse_layout(data: dict, where: str) -> Layout:
@@ -59,10 +100,21 @@ def parse_layout(data: dict, where: str) -> Layout:
         raise LayoutError(f"{where}: mesh sizes must be integers: {', '.join(bad)}")
     try:
         spec = MeshSpec.parse(",".join(f"{a}={s}" for a, s in mesh.items()))
+        if "order" in data:
+            order = data["order"]
+            if not (isinstance(order, list) and all(isinstance(a, str) for a in order)):
+                raise MeshError(f"order = {order!r}: a list of mesh axis names, outermost first")
+            spec = spec.with_order(order)
     except MeshError as e:
         raise LayoutError(f"{where}: {e}") from None
+    extras = {"batch": _typed_table(data, "batch", BatchShape, where),
+              "execution": _typed_table(data, "execution", ExecutionConfig, where)}
+    for key in ("model", "topology"):
+        if key in data and not isinstance(data[key], str):
+            raise LayoutError(f"{where}: {key} = {data[key]!r} must be a string")
+        extras[key] = data.get(key)
     if "rules" not in data:
-        return Layout(spec)
+        return Layout(spec, **extras)
     rules = []
     for i, rule in enumerate(data["rules"] if isinstance(data["rules"], list) else [None]):
         ok = (isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
@@ -75,7 +127,31 @@ def parse_layout(data: dict, where: str) -> Layout:
         validate_rules(rules)
     except MeshError as e:
         raise LayoutError(f"{where}: {e}") from None
-    return Layout(spec, tuple(rules))
+    return Layout(spec, tuple(rules), **extras)
+
+
+def _typed_table(data: dict, key: str, cls: type, where: str):
+    """`data[key]` as a `cls` (a frozen dataclass), each field's type checked; None if absent."""
+    if key not in data:
+        return None
+    table = data[key]
+    hints = {f.name: get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    if not isinstance(table, dict):
+        raise LayoutError(f"{where}: {key} must be a table of {', '.join(hints)}")
+    unknown = sorted(set(table) - set(hints))
+    if unknown:
+        raise LayoutError(f"{where}: {key} has unknown fields {unknown}; its fields are {', '.join(hints)}")
+    for name, value in table.items():
+        kind = hints[name]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise LayoutError(f"{where}: {key}.{name} = {value!r} must be {getattr(kind, '__name__', kind)}")
+    try:
+        return cls(**table)
+    except UserError as e:
+        raise LayoutError(f"{where}: {key}: {e}") from None
 
 
 def load_layout(path: str | pathlib.Path) -> Layout:
@@ -91,4 +167,32 @@ def load_layout(path: str | pathlib.Path) -> Layout:
 
 
 def save_layout(layout: Layout, path: str | pathlib.Path) -> None:
-    pathlib.Path(path).write_text(json.dumps(layout.to_json(), indent=2) + "\n")
+    """JSON, or TOML when the name ends in `.toml`."""
+    path = pathlib.Path(path)
+    data = layout.to_json()
+    path.write_text(to_toml(data) if path.suffix == ".toml" else json.dumps(data, indent=2) + "\n")
+
+
+def to_toml(data: dict) -> str:
+    """A layout's plain data as TOML (strings, numbers, booleans, lists and one level of inline
+    tables: all a layout holds). tomllib reads TOML but does not write it."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a TOML basic string
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"cannot write {v!r} as TOML")
+
+    lines = []
+    for key, v in data.items():
+        if key == "rules":
+            lines += ["rules = ["] + [f"  {value(rule)}," for rule in v] + ["]"]
+        else:
+            lines.append(f"{key} = {value(v)}")
+    return "\n".join(lines) + "\n"

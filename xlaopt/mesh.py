@@ -2,6 +2,14 @@
 
 Every mesh carries all of MESH_AXES (size 1 where the spec omits an axis), so rule
 tables and passes can name any axis without checking whether it exists.
+
+Where the axes sit on the cluster is the spec's `order`: the axes from outermost to innermost
+over the devices, which are numbered node-major (a node's devices are consecutive). The last
+axes in the order vary fastest, so they stay inside a node: `order = (data, fsdp, context,
+tensor)` keeps a tensor group of up to a node on the fast links and sends data parallel over
+the network. The order does not change what is computed, only which device holds which shard:
+`placement()` maps each logical mesh position (row-major over MESH_AXES, as the compiled HLO's
+replica groups number them) to its device.
 """
 from __future__ import annotations
 
@@ -11,6 +19,9 @@ import math
 from xlaopt.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+# Megatron's rank order (tensor innermost, then context, then data), the one the analytic cost
+# model assumes; the FSDP shard ranks sit inside the data replicas (HSDP's shard group inner).
+DEVICE_ORDER_TENSOR_INNER = ("data", "fsdp", "context", "tensor")
 # Beyond this many simulated CPU devices compile time and host memory stop being practical;
 # larger meshes are analysed abstractly, not run.
 MAX_SIMULATED_DEVICES = 512
@@ -22,12 +33,33 @@ class MeshError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Mesh axis sizes in the canonical order of MESH_AXES."""
+    """Mesh axis sizes in the canonical order of MESH_AXES, and the axes' order over the devices
+    (outermost first)."""
     sizes: tuple[int, ...] = (1,) * len(MESH_AXES)
+    order: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self):
         if len(self.sizes) != len(MESH_AXES) or any(s < 1 for s in self.sizes):
             raise MeshError(f"mesh sizes {self.sizes} must be {len(MESH_AXES)} positive ints for {MESH_AXES}")
+        if sorted(self.order) != sorted(MESH_AXES):
+            raise MeshError(f"mesh order {list(self.order)} must name each of {', '.join(MESH_AXES)} once "
+                            f"(outermost first), e.g. {list(DEVICE_ORDER_TENSOR_INNER)}")
+        object.__setattr__(self, "order", tuple(self.order))
+
+    def with_order(self, order) -> "MeshSpec":
+        return MeshSpec(self.sizes, tuple(order))
+
+    def placement(self) -> tuple[int, ...]:
+        """Device index (node-major) of each logical mesh position, row-major over MESH_AXES."""
+        import numpy as np
+
+        slots = np.arange(self.num_devices).reshape([self.size(a) for a in self.order])
+        return tuple(int(i) for i in slots.transpose([self.order.index(a) for a in MESH_AXES]).reshape(-1))
+
+    @property
+    def inner_axes(self) -> tuple[str, ...]:
+        """The axes of size > 1, innermost first."""
+        return tuple(a for a in reversed(self.order) if self.size(a) > 1)
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":
@@ -66,7 +98,10 @@ class MeshSpec:
 
     def __str__(self) -> str:
         parts = [f"{a}={s}" for a, s in self.as_dict().items() if s > 1]
-        return ",".join(parts) or "single-device"
+        text = ",".join(parts) or "single-device"
+        split = [a for a in self.order if self.size(a) > 1]
+        default = [a for a in MESH_AXES if self.size(a) > 1]
+        return text if split == default else f"{text} (devices ordered {'>'.join(split)})"
 
 
 def request_cpu_devices(count: int) -> None:
@@ -88,11 +123,19 @@ def request_cpu_devices(count: int) -> None:
 
 def make_mesh(spec: MeshSpec):
     import jax
-    from jax.sharding import AxisType
 
     devices = jax.devices()
     if spec.num_devices > len(devices):
         raise MeshError(f"mesh {spec} needs {spec.num_devices} devices but {jax.default_backend()} has "
                         f"{len(devices)}; use a mesh of at most {len(devices)} devices")
-    return jax.make_mesh(spec.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices[: spec.num_devices])
+    return mesh_over(spec, devices[: spec.num_devices])
+
+
+def mesh_over(spec: MeshSpec, devices):
+    """A jax Mesh of `spec` over `devices` (node-major, len == spec.num_devices), placed by its order."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    placed = np.array(devices, dtype=object)[list(spec.placement())].reshape(spec.sizes)
+    return jax.sharding.Mesh(placed, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

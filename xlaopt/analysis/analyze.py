@@ -45,7 +45,8 @@ def _compiled(program: TrainProgram, topology: Topology, target: str):
     if target == "gpu":
         from xlaopt.analysis.gpu_aot import gpu_mesh
 
-        compiled = CompiledProgram(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES))
+        compiled = CompiledProgram(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES,
+                                                          program.mesh.placement()))
     else:
         if program.mesh.num_devices > MAX_SIMULATED_DEVICES:
             raise UserError(f"--target cpu compiles on one simulated CPU device per mesh device, at most "
@@ -99,7 +100,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops)
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
-    sim = simulate(schedule, topology, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
+    placed = topology.placed(program.mesh.placement())  # the replica groups' devices where the mesh order puts them
+    sim = simulate(schedule, placed, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
                    cpu_fixups=cpu, keep_timeline=keep_timeline or trace is not None)
     price_s = time.perf_counter() - t0
     if trace is not None:

@@ -101,8 +101,10 @@ def topology_devices(key: str, nodes: int, devices_per_node: int) -> tuple:
     return tuple(desc.devices)
 
 
-def gpu_mesh(topology: Topology, mesh_sizes: tuple[int, ...], axis_names: tuple[str, ...]):
-    """A jax Mesh over the first prod(mesh_sizes) compile-only GPUs of `topology`."""
+def gpu_mesh(topology: Topology, mesh_sizes: tuple[int, ...], axis_names: tuple[str, ...],
+             placement: tuple[int, ...] | None = None):
+    """A jax Mesh over the first prod(mesh_sizes) compile-only GPUs of `topology`; `placement`
+    (`MeshSpec.placement()`) says which device each row-major mesh position takes."""
     import math
 
     import jax
@@ -111,5 +113,7 @@ def gpu_mesh(topology: Topology, mesh_sizes: tuple[int, ...], axis_names: tuple[
 
     devices = topology_devices(device_key(topology), topology.nodes, topology.devices_per_node)
     n = math.prod(mesh_sizes)
-    return jax.sharding.Mesh(np.array(devices[:n], dtype=object).reshape(mesh_sizes), axis_names,
-                             axis_types=(AxisType.Auto,) * len(axis_names))
+    chosen = np.array(devices[:n], dtype=object)
+    if placement is not None:
+        chosen = chosen[list(placement)]
+    return jax.sharding.Mesh(chosen.reshape(mesh_sizes), axis_names, axis_types=(AxisType.Auto,) * len(axis_names))

@@ -12,7 +12,8 @@ def inspect_program(program: TrainProgram, topology=None) -> dict:
     """Compile `program` on its mesh and read its scheduled HLO; nothing is executed."""
     executable = compile_program(program).train_step
     mesh = program.mesh.as_dict()
-    colls = collectives(executable.as_text(), mesh, topology)
+    placed = topology.placed(program.mesh.placement()) if topology is not None else None
+    colls = collectives(executable.as_text(), mesh, placed)
     groups: dict[tuple, dict] = {}
     for c in colls:
         key = (c.kind, ",".join(c.mesh_axes) or "-", c.link_level or "-")

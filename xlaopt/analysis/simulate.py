@@ -103,7 +103,7 @@ def compute_time_s(op: Op, topology: Topology, eff: costmodel.Efficiency = costm
 
 
 def _span(group, topology: Topology) -> costmodel.GroupSpan:
-    per_node = collections.Counter(d // topology.devices_per_node for d in group)
+    per_node = collections.Counter(topology.node_of(d) for d in group)
     return costmodel.GroupSpan(max(per_node.values()), len(per_node))
 
 
@@ -156,7 +156,7 @@ _POINT_TO_POINT = ("collective-permute", "send", "recv")
 
 def collective_time_s(info: CollectiveInfo, topology: Topology, eff: costmodel.Efficiency = costmodel.FITTED,
                       cpu_fixups: bool = False) -> float:
-    """Time of one execution of a collective on `topology` (devices numbered node-major)."""
+    """Time of one execution of a collective on `topology` (logical devices placed by its `placement`)."""
     volume = info.narrow_bytes if cpu_fixups else info.bytes
     if not info.replica_groups or volume <= 0:
         return 0.0

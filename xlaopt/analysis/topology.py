@@ -44,6 +44,9 @@ class Topology:
     nodes: int
     devices_per_node: int
     levels: tuple[LinkLevel, ...]  # innermost first: levels[0] inside a node, levels[-1] between nodes
+    # Device index (node-major) of each logical device a compiled program numbers, when a mesh's
+    # order (`MeshSpec.placement`) puts them elsewhere than in sequence; None: in sequence.
+    placement: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -55,9 +58,19 @@ class Topology:
     def num_devices(self) -> int:
         return self.nodes * self.devices_per_node
 
+    def node_of(self, device: int) -> int:
+        """The node of a logical device (as a compiled program's replica groups number them)."""
+        return (device if self.placement is None else self.placement[device]) // self.devices_per_node
+
+    def placed(self, placement: tuple[int, ...] | None) -> "Topology":
+        """This topology with logical devices placed as `placement` says (identity: unplaced)."""
+        if placement is not None and tuple(placement) == tuple(range(len(placement))):
+            placement = None
+        return dataclasses.replace(self, placement=None if placement is None else tuple(placement))
+
     def level_of(self, device_indices) -> LinkLevel:
-        """The outermost link level a group of device indices (0..num_devices-1) spans."""
-        nodes = {i // self.devices_per_node for i in device_indices}
+        """The outermost link level a group of logical devices spans."""
+        nodes = {self.node_of(i) for i in device_indices}
         return self.levels[0] if len(nodes) <= 1 else self.levels[-1]
 
 
