@@ -68,9 +68,13 @@ def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
         return grad_fn
 
     def split(name, x):
+        # Micro-batch i takes every `micro_batches`-th row, so each device's rows (a contiguous
+        # block when the rows are sharded) spread over all micro-batches and every micro-batch
+        # keeps the batch's sharding; leading slices would put micro-batch i on 1/m of the devices.
         axis = axes[name].index("batch")
         x = jnp.moveaxis(x, axis, 0)
-        return jnp.moveaxis(x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:]), 1, axis + 1)
+        x = jnp.swapaxes(x.reshape((x.shape[0] // micro_batches, micro_batches) + x.shape[1:]), 0, 1)
+        return jnp.moveaxis(x, 1, axis + 1)
 
     def accumulated(params, batch, key):
         slices = {name: split(name, x) for name, x in batch.items()}
