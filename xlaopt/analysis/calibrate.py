@@ -53,6 +53,12 @@ METHODS = ("analytic", "compiled")
 # pipeline chunks (the plain 1F1B schedule). The defaults never depend on the row's other values.
 SCHEDULE_DEFAULTS = {"micro_batch": 1, "virtual_stages": 1}
 
+# What an empty act_ckpt cell (the source does not say) is priced as: no recomputation, the
+# default of Megatron-Core (recompute_granularity None) and of PyTorch without checkpoint
+# wrappers, and what NeMo's published Llama 3 configs run. One value for every row, whatever its
+# framework or model, reported on each row that gets it.
+RECOMPUTE_DEFAULT = "none"
+
 # Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
 _KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
 
@@ -71,6 +77,13 @@ _FRAMEWORKS = (
     ("megatron", dict(tp_overlap=True)),
     ("llm foundry", dict(fused_elementwise=False)),
 )
+
+# What a bare "selective" act_ckpt means, for frameworks where the word names one policy: in
+# Megatron-LM and Megatron-Core (and so NeMo and Megatron-Bridge) it is the core-attention
+# recomputation of Korthikanti et al. 2022 (recompute_granularity "selective", recompute_modules
+# ["core_attn"]). Elsewhere it names a family (TorchTitan: per-op or every n-th layer), so the
+# cell must say which, e.g. "selective (per-op)".
+_SELECTIVE_MEANS = (("nemo", "selective-megatron"), ("megatron", "selective-megatron"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,18 +225,36 @@ def software_for(run: Run) -> Software | str:
         traits["fused_elementwise"] = "compile" in fw
     if traits.get("tp_overlap", False) is None:
         traits["tp_overlap"] = "async" in fw
-    ckpt = run.act_ckpt.lower()
-    if not ckpt or ckpt in ("none", "false"):
-        recompute = "none"
-    elif ckpt.startswith("full") or ckpt == "remat=full":
-        recompute = "full"
-    elif "per-op" in ckpt:
-        recompute = "selective-op"
-    elif "minimal" in ckpt:
-        recompute = "minimal"
-    else:
-        return f"act_ckpt {run.act_ckpt!r} not modelled"
+    recompute = recompute_for(run)
+    if recompute not in Software.RECOMPUTE:
+        return recompute
     return Software(recompute=recompute, fp8_linear=run.precision.lower().startswith("fp8"), **traits)
+
+
+def recompute_for(run: Run) -> str:
+    """The `Software.recompute` policy the row's act_ckpt cell names (`RECOMPUTE_DEFAULT` when
+    empty), or why it cannot be priced."""
+    ckpt = run.act_ckpt.lower()
+    if not ckpt:
+        return RECOMPUTE_DEFAULT
+    if ckpt in ("none", "false"):
+        return "none"
+    if ckpt.startswith("full") or ckpt == "remat=full":
+        return "full"
+    if "per-op" in ckpt:
+        return "selective-op"
+    if "minimal" in ckpt:
+        return "minimal"
+    if "core attention" in ckpt or "core_attn" in ckpt:
+        return "selective-megatron"
+    if "selective" in ckpt:
+        fw = run.framework.lower()
+        meaning = next((policy for key, policy in _SELECTIVE_MEANS if key in fw), None)
+        if meaning is not None:
+            return meaning
+        return (f"act_ckpt {run.act_ckpt!r} on {run.framework!r}: which ops are recomputed is not stated "
+                f"(say e.g. 'selective (per-op)' or 'selective (core attention)')")
+    return f"act_ckpt {run.act_ckpt!r} not modelled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,8 +380,11 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
     steps = compile_rows(priced, attention, log) if method == "compiled" else {}
     rows = []
     for run, p in prepared:
-        # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row.
+        # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
+        # the recomputation too where act_ckpt is empty.
         defaults = {"schedule_defaults": {c: SCHEDULE_DEFAULTS[c] for c in run.schedule_defaulted}}
+        if not run.act_ckpt:
+            defaults["act_ckpt_default"] = RECOMPUTE_DEFAULT
         if isinstance(p, str):
             rows.append(dict(id=run.id, predicted=None, measured=run.measured, rel_error=None,
                              method="unmodelled", metric=run.metric, reason=p, **defaults))
@@ -360,12 +394,13 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
             predicted = predict(p, eff)
             rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
                              rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric,
-                             **({"reason": step} if step else {}), **defaults))
+                             recompute=p.software.recompute, **({"reason": step} if step else {}), **defaults))
             continue
         priced_step = step.price(eff)
         predicted = metric_of(run, priced_step["step_time_s"])
         rows.append(dict(id=run.id, predicted=predicted, measured=run.measured, rel_error=predicted / run.measured - 1,
-                         method="compiled", metric=run.metric, analytic_predicted=predict(p, eff),
+                         method="compiled", metric=run.metric, recompute=p.software.recompute,
+                         analytic_predicted=predict(p, eff),
                          mesh=str(step.mesh), attention=step.attention, compile_s=step.timings_s,
                          breakdown=priced_step, approximations=step.approximations, **defaults))
     errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
@@ -446,8 +481,11 @@ def format_table(result: dict) -> str:
         method = r["method"] + (f" (not compiled: {r['reason']})" if r.get("reason") else "")
         if r["method"] == "compiled":
             method += f" on {r['mesh']}, {r['compile_s']['lower'] + r['compile_s']['compile']:.0f} s to compile"
-        if r.get("schedule_defaults"):
-            method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in r["schedule_defaults"].items())
+        method += f", recompute {r['recompute']}"
+        defaulted = {**r.get("schedule_defaults", {}), **({"act_ckpt": r["act_ckpt_default"]}
+                                                           if "act_ckpt_default" in r else {})}
+        if defaulted:
+            method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in defaulted.items())
         lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g}{analytic} "
                      f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {method}")
     if result["median_abs_rel_error"] is not None:
