@@ -50,6 +50,16 @@ def test_frozen_efficiencies_are_the_fit_on_the_published_runs():
 
 
 @needs_runs
+def test_the_fit_command_reproduces_the_frozen_values(tmp_path):
+    result = cal.main_calibrate(RUNS, tmp_path / "fit.json", refit_only=True)
+    assert json.loads((tmp_path / "fit.json").read_text())["literal"] == result["literal"]
+    assert result["rounded"] == dataclasses.asdict(cm.FITTED)  # FITTED is this literal, pasted
+    assert result["objective_fitted"] <= result["objective_frozen"]  # rounding can only lose
+    assert eval(result["literal"].removeprefix("FITTED = "), {"Efficiency": cm.Efficiency}) == cm.FITTED
+    assert "(frozen:" not in cal.format_refit(result)
+
+
+@needs_runs
 def test_no_published_row_is_unpriced_and_empty_act_ckpt_is_reported_as_defaulted(result):
     with RUNS.open(newline="") as f:
         cells = {row["id"]: row for row in csv.DictReader(f)}

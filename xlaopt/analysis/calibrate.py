@@ -365,6 +365,22 @@ def fit(priced: list[Priced], start: cm.Efficiency = FIT_START) -> cm.Efficiency
     return _from_theta(nelder_mead(f, first, step=0.1))
 
 
+def refit(runs: list[Run]) -> dict:
+    """`xlaopt calibrate --runs CSV --fit`: `fit` on every modelled row, from `FIT_START`, as
+    `costmodel.FITTED` was frozen; the values to 3 significant figures (what FITTED holds), the
+    objective at both, and the literal to paste. Nothing in the code changes."""
+    priced = [p for p in (prepare(run) for run in runs) if isinstance(p, Priced)]
+    if not priced:
+        raise UserError("no modelled rows to fit")
+    fitted = fit(priced)
+    rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
+    literal = "FITTED = Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
+    return dict(rows=[p.run.id for p in priced], fitted=dataclasses.asdict(fitted),
+                rounded=dataclasses.asdict(rounded), frozen=dataclasses.asdict(cm.FITTED),
+                objective_fitted=objective(priced, fitted), objective_frozen=objective(priced, cm.FITTED),
+                literal=literal)
+
+
 # --- the report ---------------------------------------------------------------------------------
 
 def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True,
@@ -453,17 +469,29 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
 
 
 def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None,
-                   method: str = "analytic") -> dict:
+                   method: str = "analytic", refit_only: bool = False) -> dict:
     """`xlaopt calibrate --runs CSV [--method analytic|compiled] [--json OUT]`: the report with the
-    frozen efficiencies."""
+    frozen efficiencies; with `refit_only` (`--fit`), `refit` instead."""
     import sys
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    result = calibrate(read_runs(runs_path), method=method, log=log)
+    result = refit(read_runs(runs_path)) if refit_only else calibrate(read_runs(runs_path), method=method, log=log)
     result["runs"] = str(runs_path)
     if json_out is not None:
         pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def format_refit(result: dict) -> str:
+    """`refit`'s result as text."""
+    lines = [f"fitted on {len(result['rows'])} rows: {', '.join(result['rows'])}"]
+    for k, v in result["fitted"].items():
+        same = "" if result["rounded"][k] == result["frozen"][k] else f"  (frozen: {result['frozen'][k]:.3g})"
+        lines.append(f"  {k:<18} {v:.6g} -> {result['rounded'][k]:.3g}{same}")
+    lines.append(f"mean |log(predicted / measured)|: fitted {result['objective_fitted']:.6f}, "
+                 f"frozen {result['objective_frozen']:.6f}")
+    lines.append(result["literal"])
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:
