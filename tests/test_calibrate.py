@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from xlaopt.analysis import calibrate as cal, costmodel as cm
+from xlaopt.analysis import analytic, calibrate as cal, costmodel as cm
+from xlaopt.analysis.topology import parse_topology
 from xlaopt.errors import UserError
 
 RUNS = Path(__file__).resolve().parents[2] / "shared/calibration/published_runs.csv"
@@ -46,6 +47,31 @@ def test_frozen_efficiencies_are_the_fit_on_the_published_runs():
     fitted = cal.fit(priced)
     for name, frozen in dataclasses.asdict(cm.FITTED).items():
         assert getattr(fitted, name) == pytest.approx(frozen, rel=0.01), name  # frozen = fit to 3 figures
+
+
+@needs_runs
+def test_the_fit_command_reproduces_the_frozen_values(tmp_path):
+    result = cal.main_calibrate(RUNS, tmp_path / "fit.json", refit_only=True)
+    assert json.loads((tmp_path / "fit.json").read_text())["literal"] == result["literal"]
+    assert result["rounded"] == dataclasses.asdict(cm.FITTED)  # FITTED is this literal, pasted
+    assert result["objective_fitted"] <= result["objective_frozen"]  # rounding can only lose
+    assert eval(result["literal"].removeprefix("FITTED = "), {"Efficiency": cm.Efficiency}) == cm.FITTED
+    assert "(frozen:" not in cal.format_refit(result)
+
+
+@needs_runs
+def test_no_published_row_is_unpriced_and_empty_act_ckpt_is_reported_as_defaulted(result):
+    with RUNS.open(newline="") as f:
+        cells = {row["id"]: row for row in csv.DictReader(f)}
+    assert [r["id"] for r in result["rows"]] == list(cells)
+    assert result["unmodelled"] == 0 and result["modelled"] == len(cells)
+    for r in result["rows"]:
+        assert r["method"] != "unmodelled" and r["predicted"] > 0 and math.isfinite(r["predicted"]), r["id"]
+        assert r["recompute"] in analytic.Software.RECOMPUTE
+        stated = cells[r["id"]]["act_ckpt"].strip()
+        assert ("act_ckpt_default" in r) == (not stated), r["id"]
+        if not stated:
+            assert r["recompute"] == r["act_ckpt_default"] == cal.RECOMPUTE_DEFAULT
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -156,6 +182,79 @@ def test_published_rows_are_priced_with_their_own_schedule_columns():
             assert (col in run.schedule_defaulted) == (not stated and (col == "micro_batch" or run.layout.pp > 1))
 
 
+# --- recomputation policies --------------------------------------------------------------------
+
+LLAMA8B = analytic.DecoderShape(layers=32, d_model=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+
+
+def _step(recompute: str, layout: analytic.Layout, topology: str = "h100:1x8", eff: cm.Efficiency = cm.FITTED,
+          **software):
+    return analytic.price_step(LLAMA8B, layout, parse_topology(topology), analytic.Software(
+        recompute=recompute, **software), eff)
+
+
+def test_megatron_selective_recompute_costs_one_attention_forward_per_layer():
+    # Tensor parallel with sequence parallelism, as Megatron runs selective recomputation.
+    layout = analytic.Layout(dp=4, fsdp=0, tp=2, pp=1, cp=1, global_batch=32, seq_len=8192)
+    steps = {policy: _step(policy, layout) for policy in analytic.Software.RECOMPUTE}
+    prices = {policy: b.step_time_s for policy, b in steps.items()}
+    assert prices["none"] < prices["selective-megatron"] < prices["full"]
+    # Priced like no other policy.
+    others = [p for p in analytic.Software.RECOMPUTE if p != "selective-megatron"]
+    assert all(not math.isclose(prices["selective-megatron"], prices[p], rel_tol=1e-9) for p in others)
+    # Its fractions: the attention forward again, nothing else; so the extra compute is exactly
+    # one attention kernel forward per layer per micro-batch, and no TP collective repeats.
+    assert analytic.recompute_fractions(LLAMA8B, "selective-megatron") == (0.0, 1.0, 0.0)
+    tp, peak = layout.tp, parse_topology("h100:1x8").device.peak_flops["bfloat16"]
+    att_s = cm.attention_time_s(LLAMA8B.attention_forward_flops(layout.micro_batch, layout.seq_len) / tp, peak,
+                                cm.FITTED)
+    extra = steps["selective-megatron"].compute_s - steps["none"].compute_s
+    assert extra == pytest.approx(layout.micro_batches * LLAMA8B.layers * att_s, rel=1e-12)
+    assert steps["selective-megatron"].tp_exposed_s == steps["none"].tp_exposed_s
+    assert steps["full"].tp_exposed_s > steps["none"].tp_exposed_s
+
+
+def test_a_recomputed_attention_runs_its_context_parallel_ring_again():
+    # cp ranks one per node over a crawling network, so the ring is longer than the attention.
+    layout = analytic.Layout(dp=1, fsdp=0, tp=8, pp=1, cp=2, global_batch=2, seq_len=8192)
+    slow = cm.Efficiency(**{**dataclasses.asdict(cm.FITTED), "network": 0.001})
+    cp = {p: _step(p, layout, "h100:2x8", slow).cp_exposed_s for p in ("none", "minimal", "selective-megatron")}
+    assert cp["none"] > 0 and cp["minimal"] == cp["none"]  # minimal keeps the attention
+    assert cp["selective-megatron"] > cp["none"]
+
+
+@pytest.mark.parametrize("framework, act_ckpt, expected", [
+    ("NeMo 24.07 (Megatron-Core/TE)", "selective", "selective-megatron"),
+    ("Megatron-LM (2022)", "selective", "selective-megatron"),
+    ("AnyTrainer", "selective (core attention)", "selective-megatron"),
+    ("TorchTitan (Dec-2024; eager)", "selective (per-op)", "selective-op"),
+    ("NeMo 24.07 (Megatron-Core/TE)", "", cal.RECOMPUTE_DEFAULT),
+    ("NeMo 24.07 (Megatron-Core/TE)", "full", "full"),
+])
+def test_act_ckpt_cells_map_to_recompute_policies(tmp_path, framework, act_ckpt, expected):
+    (run,) = cal.read_runs(_write(tmp_path / "runs.csv", [{**ROW, "framework": framework, "act_ckpt": act_ckpt}]))
+    assert cal.software_for(run).recompute == expected
+
+
+def test_a_bare_selective_where_the_framework_gives_it_no_single_meaning_says_why(tmp_path):
+    rows = [{**ROW, "framework": "TorchTitan (Dec-2024; eager)", "act_ckpt": "selective"}]
+    result = cal.calibrate(cal.read_runs(_write(tmp_path / "runs.csv", rows)), leave_one_out=False)
+    (row,) = result["rows"]
+    assert row["method"] == "unmodelled" and "which ops are recomputed is not stated" in row["reason"]
+
+
+def test_the_compiled_method_prices_the_recomputed_attention_kernel(tmp_path):
+    from xlaopt.analysis.calibrate_compiled import CompiledStep, approximations, mesh_for
+
+    (run,) = cal.read_runs(_write(tmp_path / "runs.csv", [{**ROW, "framework": "NeMo", "act_ckpt": "selective"}]))
+    sel = cal.prepare(run)
+    none = cal.Priced(run, sel.topology, dataclasses.replace(sel.software, recompute="none"))
+    kernel = {p.software.recompute: CompiledStep(p, mesh_for(run.layout), "kernel", [], [], {}, []).attention_s(
+        cm.FITTED) for p in (sel, none)}
+    assert kernel["selective-megatron"] == pytest.approx(kernel["none"] * (1 + 2.5 + 1) / (1 + 2.5), rel=1e-12)
+    assert any("selective-megatron" in note for note in approximations(sel))
+
+
 def test_main_calibrate_writes_json_and_a_table(tmp_path):
     rows = [ROW, {**ROW, "id": "X2", "num_gpus": "16", "fsdp": "16", "global_batch": "64", "value": "1.6"},
             {**ROW, "id": "X3", "gpu": "V100"}]
@@ -167,7 +266,7 @@ def test_main_calibrate_writes_json_and_a_table(tmp_path):
     assert on_disk["loo_max_abs_rel_error"] == pytest.approx(result["loo_max_abs_rel_error"])
     table = cal.format_table(result)
     assert "X2" in table and "leave-one-out" in table and "unmodelled: no topology preset" in table
-    assert "matmul_max=0.636" in table
+    assert f"matmul_max={cm.FITTED.matmul_max:.3g}" in table
 
 
 def test_the_h100_500w_card_and_gb200_domain_map_to_their_presets(tmp_path):

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
                         "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
                         "devices and price the HLO with the simulator, the rest analytically (about a minute)")
+    p.add_argument("--fit", action="store_true",
+                   help="refit the efficiencies on the CSV's modelled rows and print them to 3 significant "
+                        "figures beside the frozen costmodel.FITTED (changes nothing)")
     p.add_argument("--json", default=None, metavar="OUT")
     p = sub.add_parser("parity", help="NVIDIA's reference (diffusers, torch, CPU) and xlaopt on the same sample: "
                                       "per-modality differences (needs xlaopt[parity])")
@@ -573,9 +576,10 @@ def cmd_import_weights(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from xlaopt.analysis.calibrate import format_table, main_calibrate
+    from xlaopt.analysis.calibrate import format_refit, format_table, main_calibrate
 
-    print(format_table(main_calibrate(args.runs, args.json, method=args.method)))
+    result = main_calibrate(args.runs, args.json, method=args.method, refit_only=args.fit)
+    print(format_refit(result) if args.fit else format_table(result))
     return 0
 
 

@@ -21,8 +21,8 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
 - tensor parallel: per layer, 2 all-gathers + 2 reduce-scatters of the activations forward
   (sequence parallel), the same backward, exposed unless the framework overlaps them with the
   layer's matmuls; without sequence parallel, 2 all-reduces each way;
-- context parallel: a ring passes K and V (cp - 1) times per layer forward, twice that backward,
-  overlapped with the attention kernel;
+- context parallel: a ring passes K and V (cp - 1) times per layer forward, twice that backward
+  and again wherever the attention forward is recomputed, overlapped with the attention kernel;
 - pipeline: (m + (pp - 1) / v) micro-batch times of the slowest stage (v virtual stages per rank),
   plus one activation send forward and one gradient send backward per micro-batch exposed;
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound.
@@ -171,7 +171,7 @@ class Layout:
 class Software:
     """How the framework that ran the step behaves, where it changes the price."""
     fused_elementwise: bool = True  # compiled / fused kernels, not eager PyTorch
-    recompute: str = "none"  # "none", "full", "selective-op" (TorchTitan per-op SAC), "minimal"
+    recompute: str = "none"  # one of RECOMPUTE; what each recomputes is `recompute_fractions`
     sequence_parallel: bool = True  # TP collectives are AG/RS (else all-reduce)
     tp_overlap: bool = False  # TP collectives overlapped with the layer's matmuls
     dp_overlap: bool = True  # gradient reduce / parameter gather overlapped with a micro-batch
@@ -180,7 +180,9 @@ class Software:
     grad_reduce_bytes: int = 2  # bytes per gradient element reduced
     fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
 
-    RECOMPUTE = ("none", "full", "selective-op", "minimal")
+    # "selective-op": TorchTitan's per-op SAC; "minimal": MaxText's; "selective-megatron": Megatron's
+    # selective recomputation (Korthikanti et al. 2022), the core attention only.
+    RECOMPUTE = ("none", "full", "selective-op", "minimal", "selective-megatron")
 
     def __post_init__(self):
         if self.recompute not in self.RECOMPUTE:
@@ -204,8 +206,9 @@ class StepBreakdown:
         return sum(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-def _recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, float, float]:
-    """(linear, attention, elementwise) forward fractions recomputed in backward."""
+def recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, float, float]:
+    """(linear, attention, elementwise) forward fractions recomputed in backward. The model has
+    no memory part: a policy's price here is only the compute it redoes."""
     if recompute == "full":
         return 1.0, 1.0, 1.0
     if recompute == "selective-op":
@@ -215,6 +218,15 @@ def _recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, fl
         return sum(weights[1::2]) / sum(weights), 0.0, 1.0
     if recompute == "minimal":  # MaxText minimal(_flash): all dots and attention saved
         return 0.0, 0.0, 1.0
+    if recompute == "selective-megatron":
+        # Megatron-Core checkpoints the core attention (QK^T, softmax, dropout, attention over V)
+        # whatever its kernel: with flash attention that saves almost no memory (the kernel keeps
+        # only its output and softmax statistics) but the kernel's forward still runs again
+        # before its backward, on top of the QK^T the flash backward redoes anyway. Norms,
+        # activations and linears are kept, so nothing else reruns and, with sequence
+        # parallelism, no TP collective repeats (the core attention sits between the gathered
+        # QKV and the row-parallel output projection).
+        return 0.0, 1.0, 0.0
     return 0.0, 0.0, 0.0
 
 
@@ -227,6 +239,7 @@ class _Layer:
     fwd_s: float
     bwd_s: float  # recomputation included
     r_lin: float  # fraction of the linear forward recomputed in backward
+    r_att: float  # fraction of the attention forward recomputed in backward
     act_bytes: float  # one activation (tokens x d_model, bf16)
 
 
@@ -251,12 +264,12 @@ def _layer(shape: DecoderShape, layout: Layout, topology: Topology, software: So
         cast_bytes = 0.0
     elem_s = cm.memory_time_s(elem_fwd_bytes, dev.hbm_bytes_per_s)
     cast_s = cm.memory_time_s(cast_bytes, dev.hbm_bytes_per_s)  # a third forward, two thirds backward
-    r_lin, r_att, r_elem = _recompute_fractions(shape, software.recompute)
+    r_lin, r_att, r_elem = recompute_fractions(shape, software.recompute)
     fwd_s = lin_s + att_s + elem_s + cast_s / 3
     # Backward: 2x forward for the linears and elementwise ops; 2.5x for flash attention, whose
     # backward recomputes QK^T (5 matmuls against 2).
     bwd_s = 2 * (lin_s + elem_s) + 2.5 * att_s + 2 * cast_s / 3 + r_lin * lin_s + r_att * att_s + r_elem * elem_s
-    return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, tokens * shape.d_model * _BF16_BYTES)
+    return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, r_att, tokens * shape.d_model * _BF16_BYTES)
 
 
 def _tp_exposed(layer: _Layer, layout: Layout, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
@@ -282,7 +295,9 @@ def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: To
     cp_span = cm.group_span(cp, tp, topology.devices_per_node)
     kv_bytes = layer.tokens * 2 * shape.kv_heads * shape.head_dim * _BF16_BYTES / tp
     cp_send = (cp - 1) * cm.send_time_s(kv_bytes, *_level(topology, cp_span, eff)) if cp > 1 else 0.0
-    return cm.exposed_s(cp_send, layer.att_s) + cm.exposed_s(2 * cp_send, 2 * layer.att_s)
+    # A recomputed attention forward runs its ring again (the ring lives inside the attention).
+    return ((1 + layer.r_att) * cm.exposed_s(cp_send, layer.att_s)
+            + cm.exposed_s(2 * cp_send, 2 * layer.att_s))
 
 
 def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, software: Software,

@@ -53,6 +53,12 @@ METHODS = ("analytic", "compiled")
 # pipeline chunks (the plain 1F1B schedule). The defaults never depend on the row's other values.
 SCHEDULE_DEFAULTS = {"micro_batch": 1, "virtual_stages": 1}
 
+# What an empty act_ckpt cell (the source does not say) is priced as: no recomputation, the
+# default of Megatron-Core (recompute_granularity None) and of PyTorch without checkpoint
+# wrappers, and what NeMo's published Llama 3 configs run. One value for every row, whatever its
+# framework or model, reported on each row that gets it.
+RECOMPUTE_DEFAULT = "none"
+
 # Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
 _KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
 
@@ -71,6 +77,13 @@ _FRAMEWORKS = (
     ("megatron", dict(tp_overlap=True)),
     ("llm foundry", dict(fused_elementwise=False)),
 )
+
+# What a bare "selective" act_ckpt means, for frameworks where the word names one policy: in
+# Megatron-LM and Megatron-Core (and so NeMo and Megatron-Bridge) it is the core-attention
+# recomputation of Korthikanti et al. 2022 (recompute_granularity "selective", recompute_modules
+# ["core_attn"]). Elsewhere it names a family (TorchTitan: per-op or every n-th layer), so the
+# cell must say which, e.g. "selective (per-op)".
+_SELECTIVE_MEANS = (("nemo", "selective-megatron"), ("megatron", "selective-megatron"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,18 +225,36 @@ def software_for(run: Run) -> Software | str:
         traits["fused_elementwise"] = "compile" in fw
     if traits.get("tp_overlap", False) is None:
         traits["tp_overlap"] = "async" in fw
-    ckpt = run.act_ckpt.lower()
-    if not ckpt or ckpt in ("none", "false"):
-        recompute = "none"
-    elif ckpt.startswith("full") or ckpt == "remat=full":
-        recompute = "full"
-    elif "per-op" in ckpt:
-        recompute = "selective-op"
-    elif "minimal" in ckpt:
-        recompute = "minimal"
-    else:
-        return f"act_ckpt {run.act_ckpt!r} not modelled"
+    recompute = recompute_for(run)
+    if recompute not in Software.RECOMPUTE:
+        return recompute
     return Software(recompute=recompute, fp8_linear=run.precision.lower().startswith("fp8"), **traits)
+
+
+def recompute_for(run: Run) -> str:
+    """The `Software.recompute` policy the row's act_ckpt cell names (`RECOMPUTE_DEFAULT` when
+    empty), or why it cannot be priced."""
+    ckpt = run.act_ckpt.lower()
+    if not ckpt:
+        return RECOMPUTE_DEFAULT
+    if ckpt in ("none", "false"):
+        return "none"
+    if ckpt.startswith("full") or ckpt == "remat=full":
+        return "full"
+    if "per-op" in ckpt:
+        return "selective-op"
+    if "minimal" in ckpt:
+        return "minimal"
+    if "core attention" in ckpt or "core_attn" in ckpt:
+        return "selective-megatron"
+    if "selective" in ckpt:
+        fw = run.framework.lower()
+        meaning = next((policy for key, policy in _SELECTIVE_MEANS if key in fw), None)
+        if meaning is not None:
+            return meaning
+        return (f"act_ckpt {run.act_ckpt!r} on {run.framework!r}: which ops are recomputed is not stated "
+                f"(say e.g. 'selective (per-op)' or 'selective (core attention)')")
+    return f"act_ckpt {run.act_ckpt!r} not modelled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +365,22 @@ def fit(priced: list[Priced], start: cm.Efficiency = FIT_START) -> cm.Efficiency
     return _from_theta(nelder_mead(f, first, step=0.1))
 
 
+def refit(runs: list[Run]) -> dict:
+    """`xlaopt calibrate --runs CSV --fit`: `fit` on every modelled row, from `FIT_START`, as
+    `costmodel.FITTED` was frozen; the values to 3 significant figures (what FITTED holds), the
+    objective at both, and the literal to paste. Nothing in the code changes."""
+    priced = [p for p in (prepare(run) for run in runs) if isinstance(p, Priced)]
+    if not priced:
+        raise UserError("no modelled rows to fit")
+    fitted = fit(priced)
+    rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
+    literal = "FITTED = Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
+    return dict(rows=[p.run.id for p in priced], fitted=dataclasses.asdict(fitted),
+                rounded=dataclasses.asdict(rounded), frozen=dataclasses.asdict(cm.FITTED),
+                objective_fitted=objective(priced, fitted), objective_frozen=objective(priced, cm.FITTED),
+                literal=literal)
+
+
 # --- the report ---------------------------------------------------------------------------------
 
 def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True,
@@ -349,8 +396,11 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
     steps = compile_rows(priced, attention, log) if method == "compiled" else {}
     rows = []
     for run, p in prepared:
-        # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row.
+        # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
+        # the recomputation too where act_ckpt is empty.
         defaults = {"schedule_defaults": {c: SCHEDULE_DEFAULTS[c] for c in run.schedule_defaulted}}
+        if not run.act_ckpt:
+            defaults["act_ckpt_default"] = RECOMPUTE_DEFAULT
         if isinstance(p, str):
             rows.append(dict(id=run.id, predicted=None, measured=run.measured, rel_error=None,
                              method="unmodelled", metric=run.metric, reason=p, **defaults))
@@ -360,12 +410,13 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
             predicted = predict(p, eff)
             rows.append(dict(id=run.id, predicted=predicted, measured=run.measured,
                              rel_error=predicted / run.measured - 1, method="analytic", metric=run.metric,
-                             **({"reason": step} if step else {}), **defaults))
+                             recompute=p.software.recompute, **({"reason": step} if step else {}), **defaults))
             continue
         priced_step = step.price(eff)
         predicted = metric_of(run, priced_step["step_time_s"])
         rows.append(dict(id=run.id, predicted=predicted, measured=run.measured, rel_error=predicted / run.measured - 1,
-                         method="compiled", metric=run.metric, analytic_predicted=predict(p, eff),
+                         method="compiled", metric=run.metric, recompute=p.software.recompute,
+                         analytic_predicted=predict(p, eff),
                          mesh=str(step.mesh), attention=step.attention, compile_s=step.timings_s,
                          breakdown=priced_step, approximations=step.approximations, **defaults))
     errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
@@ -418,17 +469,29 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
 
 
 def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None,
-                   method: str = "analytic") -> dict:
+                   method: str = "analytic", refit_only: bool = False) -> dict:
     """`xlaopt calibrate --runs CSV [--method analytic|compiled] [--json OUT]`: the report with the
-    frozen efficiencies."""
+    frozen efficiencies; with `refit_only` (`--fit`), `refit` instead."""
     import sys
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    result = calibrate(read_runs(runs_path), method=method, log=log)
+    result = refit(read_runs(runs_path)) if refit_only else calibrate(read_runs(runs_path), method=method, log=log)
     result["runs"] = str(runs_path)
     if json_out is not None:
         pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def format_refit(result: dict) -> str:
+    """`refit`'s result as text."""
+    lines = [f"fitted on {len(result['rows'])} rows: {', '.join(result['rows'])}"]
+    for k, v in result["fitted"].items():
+        same = "" if result["rounded"][k] == result["frozen"][k] else f"  (frozen: {result['frozen'][k]:.3g})"
+        lines.append(f"  {k:<18} {v:.6g} -> {result['rounded'][k]:.3g}{same}")
+    lines.append(f"mean |log(predicted / measured)|: fitted {result['objective_fitted']:.6f}, "
+                 f"frozen {result['objective_frozen']:.6f}")
+    lines.append(result["literal"])
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:
@@ -446,8 +509,11 @@ def format_table(result: dict) -> str:
         method = r["method"] + (f" (not compiled: {r['reason']})" if r.get("reason") else "")
         if r["method"] == "compiled":
             method += f" on {r['mesh']}, {r['compile_s']['lower'] + r['compile_s']['compile']:.0f} s to compile"
-        if r.get("schedule_defaults"):
-            method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in r["schedule_defaults"].items())
+        method += f", recompute {r['recompute']}"
+        defaulted = {**r.get("schedule_defaults", {}), **({"act_ckpt": r["act_ckpt_default"]}
+                                                           if "act_ckpt_default" in r else {})}
+        if defaulted:
+            method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in defaulted.items())
         lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g}{analytic} "
                      f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {method}")
     if result["median_abs_rel_error"] is not None:

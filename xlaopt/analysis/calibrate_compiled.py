@@ -18,7 +18,7 @@ compiled on CPU would not:
   attention of the same inputs and output and elementwise cost (the execution setting
   `attention="io_only"`, see `xlaopt.models.attention.attention_io_only`), and the kernel is priced by
   `costmodel.attention_time_s` on the causal FLOPs, exactly as the analytic model prices it
-  (forward, 2.5x backward, again when the layer is recomputed).
+  (forward, 2.5x backward, again when the policy recomputes attention: `analytic.recompute_fractions`).
   `attention="xla"` compiles and prices the decoder's own attention.
 - XLA's CPU pipeline runs bf16 elementwise work in f32, so the scan that stacks each layer's
   saved activations widens the whole stacked buffer to update one layer's slice (and the
@@ -46,6 +46,7 @@ import re
 import time
 
 from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.analytic import recompute_fractions
 from xlaopt.errors import UserError
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 
@@ -83,6 +84,9 @@ def approximations(priced) -> list[str]:
     notes = []
     if sw.recompute in ("selective-op", "minimal"):
         notes.append(f"recompute {sw.recompute!r} compiled as none: the decoder remats whole layers or nothing")
+    if sw.recompute == "selective-megatron":
+        notes.append("recompute 'selective-megatron' compiled as none (the decoder remats whole layers or "
+                     "nothing); the attention kernel's recomputed forward is priced with the kernel")
     if sw.recompute == "full":
         notes.append("full recompute compiled as XLA's remat, which skips the MLP down projection (the backward "
                      "needs only its input); the analytic model recomputes the whole forward")
@@ -140,7 +144,8 @@ class CompiledStep:
             return 0.0
         run, layout = self.priced.run, self.priced.run.layout
         flops = run.shape.attention_forward_flops(layout.micro_batch, layout.seq_len) / layout.tp
-        passes = 1 + 2.5 + (1.0 if self.priced.software.recompute == "full" else 0.0)
+        _, r_att, _ = recompute_fractions(run.shape, self.priced.software.recompute)
+        passes = 1 + 2.5 + r_att
         peak = self.priced.topology.device.peak_flops["bfloat16"]
         return run.shape.layers * passes * cm.attention_time_s(flops, peak, eff)
 

@@ -69,9 +69,11 @@ class Efficiency:
 # R13; Megatron-Bridge R14, R16; Megatron-LM R21; LLM Foundry R23), every row weighted equally and
 # priced by `xlaopt.analysis.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
 # separate them, see `calibrate._FRACTIONS`); rounded to 3 significant figures.
-# tests/test_calibrate.py refits and checks these values; `xlaopt calibrate --runs CSV` prints
-# the per-row and leave-one-out errors. Do not retune against single rows: other published runs
-# are held out to test these values.
+# `xlaopt calibrate --runs CSV --fit` redoes this fit and prints the literal below; last redone
+# 2026-12-01, after Megatron's selective recomputation and HSDP were modelled, with the same
+# values (no row of the CSV prices differently). tests/test_calibrate.py refits and checks these
+# values; `xlaopt calibrate --runs CSV` prints the per-row and leave-one-out errors. Do not retune
+# against single rows: other published runs are held out to test these values.
 FITTED = Efficiency(matmul_max=0.636, matmul_max_ampere=0.792, matmul_half_flops=3.12e10, attention=0.224,
                     nvlink=0.573, network=0.573)
 
