@@ -147,6 +147,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-oversize", action="store_true",
                    help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
     _global_batch_args(p)
+    p = sub.add_parser("plan", help="choose the layout (mesh, device order, remat, micro-batches, precision) for a "
+                                    "model on a cluster: analytic prices, the best few compiled; ranked with reasons")
+    p.add_argument("--model", default=None, help="registered model name (default: the --from layout's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--topology", required=True, help="PRESET:NODESxDEVICES (h100:16x8, cpu:1x8) or a TOML/JSON file")
+    _global_batch_args(p)
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--mix", default=None, metavar="NAME",
+                      help="Cosmos 3: price rows packed from this sample mix (default on GPUs: cosmos3-480p)")
+    rows.add_argument("--data", default=None, metavar="DIR", help="Cosmos 3: price rows packed from this store")
+    p.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="compile the best few for this target; auto: gpu for a GPU topology when xlaopt[gpu-aot] "
+                        "is installed, else cpu (simulated devices, up to 512), else analytic prices only")
+    p.add_argument("--top", type=int, default=2, metavar="K", help="compile and price the best K (default 2)")
+    p.add_argument("--exhaustive", action="store_true", help="compile every candidate that fits (slow; for testing)")
+    p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
+                   help="execution settings every candidate shares (attention, attention_block, layer_stack); remat, "
+                        "micro_batches and compute_dtype are what the planner chooses")
+    p.add_argument("--from", dest="from_layout", default=None, metavar="OLD_LAYOUT",
+                   help="re-plan: the layout a run was trained with; prints the resharding its state needs")
+    p.add_argument("--out", default=None, metavar="LAYOUT.toml", help="write the best layout's file (TOML or JSON)")
+    p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -494,6 +518,55 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from xlaopt.planning.defaults import plan_program, prepare_devices
+
+    prepare_devices(args.target, args.topology)
+    from xlaopt.analysis.topology import parse_topology
+
+    old = None
+    if args.from_layout is not None:
+        from xlaopt.layout import load_layout
+
+        old = load_layout(args.from_layout)
+        if args.model is None:
+            args.model = old.model
+    if args.model is None:
+        raise UserError("--model is required (or --from a layout file that names its model)")
+    if old is not None:
+        old.check_model(args.model, args.from_layout)
+    topology = parse_topology(args.topology)
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    args.batch_size = args.text_len = args.gen_len = None
+    _apply_global_batch(args, config)
+    program, batch, target_note = plan_program(args, config, topology, old)
+    from xlaopt.context import PassContext
+    from xlaopt.passes.layout_plan import LayoutPlan
+
+    planner = LayoutPlan(enabled=True, top=args.top, exhaustive=args.exhaustive)
+    result = planner.plan_with(program, PassContext.for_program(program, topology), batch)
+    report = result["report"]
+    report["target_note"] = target_note
+    from xlaopt.planning.report import format_plan
+
+    print(format_plan(report, args.rows))
+    if target_note:
+        print(f"note: {target_note}")
+    if old is not None:
+        from xlaopt.planning.replan import format_resharding, resharding
+
+        moves = resharding(old, result["layout"], config)
+        report["resharding"] = moves
+        print(format_resharding(moves))
+    if args.out:
+        from xlaopt.layout import save_layout
+
+        save_layout(result["layout"], args.out)
+        print(f"best layout written to {args.out}")
+    _write_json(args.json, report)
+    return 0
+
+
 def cmd_models(args) -> int:
     from xlaopt.program import TrainProgram
     from xlaopt.step import param_count
@@ -650,7 +723,8 @@ def cmd_bench(args) -> int:
     return 0
 
 
-_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "analyze": cmd_analyze, "models": cmd_models,
+_COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "analyze": cmd_analyze, "plan": cmd_plan,
+             "models": cmd_models,
              "passes": cmd_passes, "data": cmd_data, "ckpt": cmd_ckpt, "bench": cmd_bench,
              "calibrate": cmd_calibrate, "parity": cmd_parity, "import-weights": cmd_import_weights}
 

@@ -34,10 +34,11 @@ class PassRecord:
 
 
 def pass_classes() -> tuple[type, ...]:
-    """The one ordered pipeline. Later passes (layout planning, overlap, precision) go here."""
+    """The one ordered pipeline: the layout is chosen, then applied. Later passes (overlap) go here."""
+    from xlaopt.passes.layout_plan import LayoutPlan
     from xlaopt.passes.mesh_layout import MeshLayout
 
-    return (MeshLayout,)
+    return (LayoutPlan, MeshLayout)
 
 
 def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pass, ...]:

@@ -61,16 +61,17 @@ class DecoderShape:
     vocab: int
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT, MPT)
     tied_embeddings: bool = False
+    kv_channels: int | None = None  # the head dimension where it is not d_model / heads (Qwen3-32B: 128, not 80)
 
     def __post_init__(self):
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"mlp={self.mlp!r}; use 'swiglu' or 'gelu'")
-        if self.d_model % self.heads or self.heads % self.kv_heads:
+        if (self.kv_channels is None and self.d_model % self.heads) or self.heads % self.kv_heads:
             raise ValueError(f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads} do not divide")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.heads
+        return self.kv_channels or self.d_model // self.heads
 
     def layer_matmuls(self) -> tuple[int, ...]:
         """Weight sizes of a layer's linear layers, in call order: q, k, v, o, then the MLP
@@ -181,8 +182,9 @@ class Software:
     fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
 
     # "selective-op": TorchTitan's per-op SAC; "minimal": MaxText's; "selective-megatron": Megatron's
-    # selective recomputation (Korthikanti et al. 2022), the core attention only.
-    RECOMPUTE = ("none", "full", "selective-op", "minimal", "selective-megatron")
+    # selective recomputation (Korthikanti et al. 2022), the core attention only; "dots": JAX's
+    # `dots_saveable` (xlaopt's remat=dots), matmul outputs kept, the rest recomputed.
+    RECOMPUTE = ("none", "full", "selective-op", "minimal", "selective-megatron", "dots")
 
     def __post_init__(self):
         if self.recompute not in self.RECOMPUTE:
@@ -227,6 +229,10 @@ def recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, flo
         # parallelism, no TP collective repeats (the core attention sits between the gathered
         # QKV and the row-parallel output projection).
         return 0.0, 1.0, 0.0
+    if recompute == "dots":
+        # dots_saveable keeps what `dot_general` produced; a fused attention kernel (cuDNN's custom
+        # call) is not one, so its forward reruns with the elementwise ops.
+        return 0.0, 1.0, 1.0
     return 0.0, 0.0, 0.0
 
 

@@ -74,6 +74,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     """`analyze`, also handing back the `SimResult` it priced (with its event timeline when
     `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.analysis.notebook` draws from it."""
     from xlaopt.analysis.attention_work import batch_work
+    from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
 
@@ -101,7 +102,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     placed = topology.placed(program.mesh.placement())  # the replica groups' devices where the mesh order puts them
-    sim = simulate(schedule, placed, program.mesh.as_dict(), matmul_dtype=dtype if cpu else None,
+    sim = simulate(schedule, placed, program.mesh.as_dict(), eff=efficiency_for(topology), matmul_dtype=dtype if cpu else None,
                    cpu_fixups=cpu, keep_timeline=keep_timeline or trace is not None)
     price_s = time.perf_counter() - t0
     if trace is not None:

@@ -78,6 +78,18 @@ FITTED = Efficiency(matmul_max=0.636, matmul_max_ampere=0.792, matmul_half_flops
                     nvlink=0.573, network=0.573)
 
 
+def efficiency_for(topology) -> Efficiency:
+    """FITTED for GPUs; measured on this host for simulated CPU devices (the GPU fit says nothing
+    about XLA's CPU kernels; `xlaopt.analysis.cpu_peak.measure_cpu_efficiency`)."""
+    from xlaopt.analysis.topology import SIMULATED_CPU
+
+    if topology.device.name == SIMULATED_CPU:
+        from xlaopt.analysis.cpu_peak import measure_cpu_efficiency
+
+        return measure_cpu_efficiency()
+    return FITTED
+
+
 # --- compute -----------------------------------------------------------------------------
 
 def matmul_efficiency(flops_per_matmul: float, matmul_max: float, half_flops: float) -> float:

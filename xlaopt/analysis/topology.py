@@ -134,6 +134,9 @@ def preset(name: str, nodes: int | None = None, devices_per_node: int | None = N
     return Topology(f"{name}:{nodes}x{dpn}", _DEVICES[name], nodes, dpn, _LEVELS[name])
 
 
+SIMULATED_CPU = "simulated CPU device"
+
+
 def cpu_simulation(devices: int, host_flops: float | None = None) -> Topology:
     """Simulated CPU devices: one node, one level (host memory copies). The host's measured
     matmul peak is shared by all simulated devices."""
@@ -142,11 +145,25 @@ def cpu_simulation(devices: int, host_flops: float | None = None) -> Topology:
 
         host_flops = measure_cpu_matmul_peak("float32")
     per_device = host_flops / devices
-    device = Device("simulated CPU device", {"float32": per_device, "bfloat16": per_device}, 0.0, 10e9)
+    device = Device(SIMULATED_CPU, {"float32": per_device, "bfloat16": per_device}, 0.0, 10e9)
     return Topology(f"cpu:1x{devices}", device, 1, devices, (LinkLevel("host-memory", 10e9, 1e-6),))
 
 
 _SPEC = re.compile(r"^(?P<name>[a-z0-9]+)(:(?P<nodes>\d+)x(?P<dpn>\d+))?$")
+
+
+def preset_shape(text: str) -> tuple[str, int] | None:
+    """(preset name, device count) of a `PRESET[:NODESxDEVICES]` spec, without building it (a CPU
+    topology measures the host, which starts JAX's backend: callers that must first set the
+    simulated device count ask here); None for a file."""
+    m = _SPEC.match(text.strip())
+    if not m or pathlib.Path(text).exists() or (m.group("name") not in _DEVICES and m.group("name") != "cpu"):
+        return None
+    name = m.group("name")
+    if m.group("nodes"):
+        return name, int(m.group("nodes")) * int(m.group("dpn"))
+    nodes, dpn = _DEFAULT_SHAPE.get(name, (1, 8))
+    return name, nodes * dpn
 
 
 def parse_topology(text: str) -> Topology:

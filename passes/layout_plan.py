@@ -1,0 +1,48 @@
+"""layout-plan: choose the program's layout for the cluster (`xlaopt.planning`).
+
+Off unless enabled (`xlaopt plan` enables it; `--pass-option layout-plan.enabled=true` lets
+any command plan its own layout): the other commands run the layout they are given. Needs the
+topology in the pass context. Replaces the mesh, device order, recomputation, micro-batches and
+precision with the best candidate's; the report is the whole ranking (`xlaopt plan --json`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.context import PassContext, PassResult
+from xlaopt.errors import UserError
+from xlaopt.program import TrainProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPlan:
+    name: str = "layout-plan"
+    summary: str = "choose mesh, device order, remat, micro-batches and precision for the topology (off unless enabled)"
+    enabled: bool = False
+    top: int = 2  # candidates compiled and priced from their schedule after the analytic ranking
+    exhaustive: bool = False  # compile every candidate that fits
+    mix: str = ""  # price rows packed from this sample mix (Cosmos 3); default: the synthetic stream
+    data: str = ""  # or from this sample store
+
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
+        if not self.enabled:
+            return PassResult(program, False, {"enabled": False})
+        if ctx.topology is None:
+            raise UserError("layout-plan needs a topology to plan for, e.g. --topology h100:16x8")
+        from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch
+
+        batch = (mix_batch(program, self.mix) if self.mix else store_batch(program, self.data) if self.data
+                 else synthetic_batch(program))
+        planned = self.plan_with(program, ctx, batch)
+        return PassResult(planned["program"], planned["program"] != program, planned["report"])
+
+    def plan_with(self, program: TrainProgram, ctx: PassContext, batch) -> dict:
+        """The plan for `program` priced on `batch` (a `PricedBatch`): {program, layout, report, plan}."""
+        from xlaopt.planning.planner import plan
+        from xlaopt.planning.report import plan_json
+
+        result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive)
+        report = dict(plan_json(result), data=batch.source)
+        best = result.best.candidate
+        return {"program": result.program_for(best), "layout": result.layout_for(best), "report": report,
+                "plan": result}

@@ -1,0 +1,146 @@
+"""The layout planner: the space it searches, the analytic shape it prices, the ranking it
+returns (compiled on this machine's simulated devices), the layout file it writes (trained and
+verified for real), re-planning onto fewer devices, and its bad-input messages."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from xlaopt.cli import main
+from xlaopt.data.batch import BatchShape
+from xlaopt.layout import load_layout
+from xlaopt.models.registry import get_config
+from xlaopt.planning.space import enumerate_space
+
+from conftest import needs_devices
+
+LLAMA = ["--model", "llama-tiny", "--set", "num_layers=2"]
+
+
+def test_space_holds_dp_fsdp_hsdp_and_says_why_the_rest_cannot_be_built():
+    config = get_config("llama-tiny")  # 8 heads, 4 kv heads
+    ok, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "dense", ("bfloat16",))
+    kinds = {c.kind for c in ok}
+    assert {"DP", "FSDP", "HSDP", "FSDP+TP2", "HSDP+TP4", "DP+TP4+CP2"} <= kinds
+    assert all(c.num_devices == 16 and c.tp * c.cp <= 8 for c in ok + [r.candidate for r in rejected])
+    reasons = {r.reason for r in rejected}
+    assert "tensor=8 does not divide kv_heads 4" in reasons
+    # A batch of 12 rows splits over 4 data ranks but not 8 or 16.
+    ok, rejected = enumerate_space(config, BatchShape(12, 32, 0), 16, 8, "dense", ("bfloat16",))
+    assert {c.data for c in ok} <= {1, 2, 4}
+    assert "the global batch of 12 rows does not split over 8 data ranks" in {r.reason for r in rejected}
+    # cuDNN attention cannot split a row: context parallelism is refused with the reason.
+    _, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
+    assert any("cuDNN attention refuses" in r.reason and r.candidate.cp > 1 for r in rejected)
+
+
+def test_cosmos3_analytic_shape_counts_the_model_flops():
+    """Two towers' weights per layer, one tower per token, the rows' attention pairs and the LM
+    head on text tokens only: the analytic shape's forward FLOPs are the model's (flops.py)."""
+    from xlaopt.models.flops import forward_flops
+    from xlaopt.planning.shapes import analytic_shape
+
+    c = get_config("cosmos3-nano")
+    n_text, n_gen = 896.0, 44160.0
+    pairs = n_gen * (n_text + n_gen) + n_text * (n_text + 1) / 2  # one sample: the two-way mask's pairs
+    shape = analytic_shape(c, pairs, n_text / (n_text + n_gen))
+    tokens = n_text + n_gen
+    analytic = (c.num_layers * (shape.linear_forward_flops(tokens) + shape.attention_forward_flops(1, 0))
+                + shape.head_forward_flops(tokens))
+    model = float(forward_flops(c, n_text, n_gen))  # also counts the generator's input/output projections
+    assert 0.995 < analytic / model <= 1.0
+    assert shape.layer_params == 2 * sum(shape.layer_matmuls())  # both towers' weights are gathered
+
+
+@needs_devices(8)
+def test_plan_ranks_compiles_writes_a_layout_that_trains_and_verifies(tmp_path, capsys):
+    out, layout = tmp_path / "plan.json", tmp_path / "best.toml"
+    assert main(["plan", *LLAMA, "--topology", "cpu:1x8", "--top", "1", "--json", str(out), "--out", str(layout)]) == 0
+    result = json.loads(out.read_text())
+    assert result["method"] == "compiled (cpu target)" and result["target"] == "cpu"
+    best, ranked = result["best"], result["candidates"]
+    assert best["method"] == "compiled" and ranked[0]["candidate"] == best["candidate"]
+    assert isinstance(best["memory_per_device_bytes"], float) and best["step_time_s"] > 0
+    assert result["baseline"]["candidate"].startswith("dp=1 fsdp=8 tp=1 cp=1")
+    assert result["baseline"]["method"] == "compiled"
+    compiled = [c for c in ranked if c["method"] == "compiled"]
+    assert [c["step_time_s"] for c in compiled] == sorted(c["step_time_s"] for c in compiled)
+    assert all(c["reason"] for c in ranked[1:]) and result["counts"]["fit"] == len(ranked)
+    assert result["best_speedup_over_baseline"] >= 1.0  # the baseline is compiled too, so ranked by that price
+    planned = load_layout(layout)
+    assert planned.model == "llama-tiny" and planned.topology == "cpu:1x8"
+    assert planned.mesh.num_devices == 8 and planned.batch.batch_size == result["batch"]["global_batch"]
+    capsys.readouterr()
+    assert main(["verify", *LLAMA, "--layout", str(layout), "--dtype", "float32"]) == 0
+    assert "ok" in capsys.readouterr().out
+    assert main(["train", *LLAMA, "--layout", str(layout), "--steps", "2", "--no-progress",
+                 "--json", str(tmp_path / "train.json")]) == 0
+    trained = json.loads((tmp_path / "train.json").read_text())
+    assert len(trained["steps"]) == 2 and np.isfinite(trained["steps"][-1]["loss"])
+
+
+def test_resharding_counts_what_each_device_must_read():
+    """fsdp=8 -> fsdp=4 on the first 4 devices: new device i holds old blocks 2i and 2i+1 of each
+    sharded dimension; device 0 already holds block 0, the others none of theirs."""
+    import jax
+
+    from xlaopt.layout import Layout
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.planning.replan import resharding
+    from xlaopt.program import TrainProgram
+    from xlaopt.step import abstract_params_with_axes
+
+    config = get_config("llama-tiny")
+    old, new = Layout(MeshSpec.parse("fsdp=8")), Layout(MeshSpec.parse("fsdp=4"))
+    r = resharding(old, new, config)
+    params, logical = abstract_params_with_axes(TrainProgram(config))
+    sharded = replicated = 0
+    for leaf, axes in zip(jax.tree.leaves(params), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))):
+        n = int(np.prod(leaf.shape))
+        if "embed" in tuple(axes):  # the default table shards only the model dimension over fsdp
+            sharded += n
+        else:
+            replicated += n
+    assert r["bytes_moved_per_device_max"] == 12 * sharded / 4  # devices 1..3 read all of their new shard
+    assert r["bytes_moved_per_device_mean"] == 12 * (sharded / 4 * 4 - sharded / 8) / 4
+    assert r["state_bytes_per_device_new_max"] == 12 * (sharded / 4 + replicated)
+
+
+@needs_devices(8)
+def test_a_run_on_8_devices_resumes_on_a_replanned_4_device_layout(tmp_path, capsys):
+    from xlaopt.runtime.verify import TOLERANCES
+
+    common = ["--steps", "4", "--data", "memory", "--no-progress"]
+    _run = lambda name, *a: (main(["train", *LLAMA, *common, "--json", str(tmp_path / f"{name}.json"), *a]),
+                             json.loads((tmp_path / f"{name}.json").read_text()))[1]
+    whole = _run("whole", "--mesh", "fsdp=8")
+    _run("first", "--mesh", "fsdp=8", "--ckpt", str(tmp_path / "ckpt"), "--ckpt-every", "2")
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
+    (tmp_path / "old.json").write_text(json.dumps({"model": "llama-tiny", "mesh": {"fsdp": 8}}))
+    assert main(["plan", *LLAMA, "--from", str(tmp_path / "old.json"), "--topology", "cpu:1x4", "--target", "cpu",
+                 "--top", "1", "--global-batch", str(whole["batch"]["batch_size"]), "--seq",
+                 str(whole["batch"]["text_len"]), "--out", str(tmp_path / "new.json")]) == 0
+    assert "resharding fsdp=8 (8 devices) ->" in capsys.readouterr().out
+    new = load_layout(tmp_path / "new.json")
+    assert new.mesh.num_devices == 4
+    rest = _run("rest", "--layout", str(tmp_path / "new.json"), "--ckpt", str(tmp_path / "ckpt"), "--resume")
+    assert rest["checkpoint"]["resumed_from"] == 2 and [s["step"] for s in rest["steps"]] == [2, 3]
+    tol = TOLERANCES["bfloat16"][0]
+    for got, want in zip(rest["steps"], whole["steps"][2:]):
+        assert abs(got["loss"] - want["loss"]) <= tol * abs(want["loss"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "cosmos3-super", "--topology", "h100:1x8", "--mix", "cosmos3-720p", "--target", "cpu"],
+     "cosmos3-super does not fit on h100:1x8 with any layout"),
+    # 7 rows split over one data rank only, which leaves tensor=8 (kv_heads 4 does not split) or a
+    # context split of 33 tokens: none works.
+    ([*LLAMA, "--topology", "cpu:1x8", "--global-batch", "7", "--seq", "33"],
+     "the nearest global batch that works is 6 rows"),
+    (["--topology", "cpu:1x8"], "--model is required"),
+])
+def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err

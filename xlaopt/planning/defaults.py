@@ -1,0 +1,125 @@
+"""What `xlaopt plan` plans when the command line leaves it open.
+
+The global batch defaults to a realistic one per family, never one short row per device:
+  - decoder on GPUs: sequences of 8,192 tokens, 4 per device (llama3-70b on 16 x 8 H100: 512);
+  - Cosmos 3 on GPUs: rows of the mix's budget (default mix cosmos3-480p: 512 + 7,680 tokens), one
+    row per device;
+  - on a simulated CPU topology: the family's default batch (toy rows), grown to a multiple of
+    the devices.
+With `--from OLD_LAYOUT` the old layout's batch is kept where it splits over the new devices;
+else the nearest global batch that does, said in the note. The attention is cuDNN's fused kernel
+on the GPU target (the only one that is fast there) and dense elsewhere, unless `--exec` says.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+
+DECODER_SEQ = 8192
+DECODER_ROWS_PER_DEVICE = 4
+DEFAULT_MIX = "cosmos3-480p"
+
+
+def prepare_devices(requested: str, topology_text: str) -> None:
+    """Ask for the simulated CPU devices a CPU-target plan compiles on, before anything starts
+    JAX's backend (building a CPU topology measures the host)."""
+    from xlaopt.analysis import gpu_aot
+    from xlaopt.analysis.topology import preset_shape
+    from xlaopt.mesh import MAX_SIMULATED_DEVICES, request_cpu_devices
+
+    shape = preset_shape(topology_text)
+    if shape is None or shape[1] > MAX_SIMULATED_DEVICES:
+        return
+    name, count = shape
+    if requested == "cpu" or (requested == "auto" and (name == "cpu" or not gpu_aot.available())):
+        request_cpu_devices(count)
+
+
+def plan_target(requested: str, topology) -> tuple[str, str]:
+    """(target, note) for `--target`."""
+    from xlaopt.analysis import gpu_aot
+    from xlaopt.mesh import MAX_SIMULATED_DEVICES
+
+    gpu_topology = topology.device.hbm_bytes > 0
+    if requested == "gpu" or (requested == "auto" and gpu_topology and gpu_aot.available()):
+        if not gpu_aot.available():
+            raise UserError("--target gpu compiles deviceless for NVIDIA GPUs and needs xlaopt[gpu-aot]; "
+                            "install it, or use --target cpu")
+        return "gpu", ""
+    if gpu_topology and requested == "auto":
+        note = "xlaopt[gpu-aot] is not installed: the best few compile on simulated CPU devices (no async " \
+               "collectives; every collective exposed)"
+        if topology.num_devices > MAX_SIMULATED_DEVICES:
+            note = f"xlaopt[gpu-aot] is not installed and {topology.num_devices} devices exceed the " \
+                   f"{MAX_SIMULATED_DEVICES} simulated CPU devices: analytic prices only"
+        return "cpu", note
+    return "cpu", ""
+
+
+def plan_program(args, config, topology, old=None):
+    """(base TrainProgram, PricedBatch, note) for `xlaopt plan`'s arguments."""
+    from xlaopt.analysis.analyze import analysis_batch_size
+    from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch
+    from xlaopt.execution import ExecutionConfig, parse_execution
+    from xlaopt.families import family_of
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    target, note = plan_target(args.target, topology)
+    n = topology.num_devices
+    gpu = topology.device.hbm_bytes > 0
+    cosmos = config.family == "cosmos3"
+    mix = args.mix if args.mix is not None else (DEFAULT_MIX if cosmos and gpu and args.data is None else None)
+    if mix is not None and not cosmos:
+        raise UserError(f"--mix: mixes hold Cosmos 3 samples; {config.name} is planned on its synthetic stream")
+    default = family_of(config).default_batch
+    if old is not None and old.batch is not None:
+        default = old.batch
+    elif gpu and cosmos:
+        from xlaopt.data.mixes import get_mix
+
+        default = BatchShape(n, *get_mix(mix).row) if mix else dataclasses.replace(default, batch_size=n)
+    elif gpu:
+        default = BatchShape(DECODER_ROWS_PER_DEVICE * n, DECODER_SEQ, 0)
+    else:
+        default = dataclasses.replace(default, batch_size=analysis_batch_size(_data_mesh(n), default.batch_size, None))
+    pick = lambda value, fallback: fallback if value is None else value
+    batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
+                       pick(args.gen_len, default.gen_len))
+    if old is not None and args.batch_size is None:
+        batch, changed = _splittable(config, batch, topology)
+        if changed:
+            note = (note + "; " if note else "") + changed
+    base = old.execution if old is not None and old.execution is not None else ExecutionConfig()
+    base = dataclasses.replace(base, attention="cudnn" if target == "gpu" else base.attention if old else "dense")
+    execution = parse_execution(args.exec, base)
+    program = TrainProgram(config, settings=TrainSettings(batch=batch, seed=args.seed), execution=execution,
+                           target=target)
+    priced = (mix_batch(program, mix) if mix is not None else store_batch(program, args.data) if args.data
+              else synthetic_batch(program))
+    return program, priced, note
+
+
+def _data_mesh(n: int):
+    from xlaopt.mesh import MeshSpec
+
+    return MeshSpec((n, 1, 1, 1))
+
+
+def _splittable(config, batch: BatchShape, topology) -> tuple[BatchShape, str]:
+    """The old global batch if some layout of the new topology splits it, else the nearest that one does."""
+    from xlaopt.planning.space import enumerate_space
+
+    works = lambda rows: bool(enumerate_space(config, dataclasses.replace(batch, batch_size=rows),
+                                              topology.num_devices, topology.devices_per_node, "dense",
+                                              ("bfloat16",))[0])
+    if works(batch.batch_size):
+        return batch, ""
+    for delta in range(1, 4 * batch.batch_size):
+        for rows in (batch.batch_size - delta, batch.batch_size + delta):
+            if rows >= 1 and works(rows):
+                return (dataclasses.replace(batch, batch_size=rows),
+                        f"the old global batch of {batch.batch_size} rows splits over no layout of "
+                        f"{topology.num_devices} devices; re-planned for the nearest that does, {rows} rows")
+    raise UserError(f"no global batch near {batch.batch_size} rows splits over {topology.num_devices} devices")

@@ -1,0 +1,256 @@
+"""Rank the candidate layouts for a model on a topology: drop those that cannot be built or do
+not fit, price the rest analytically (microseconds each), then compile the best few and price
+them from XLA's own schedule (`xlaopt.analysis.analyze`: deviceless GPU compile when the
+`gpu-aot` extra is installed, else simulated CPU devices up to 512), and return the ranking with
+every loser's reason. `exhaustive` compiles every candidate that fits (for testing the ranking).
+The baseline is pure FSDP over every device, the common default, priced the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from xlaopt.analysis.costmodel import efficiency_for
+from xlaopt.analysis.priced_batch import PricedBatch
+from xlaopt.analysis.topology import Topology, preset
+from xlaopt.errors import UserError
+from xlaopt.layout import Layout
+from xlaopt.mesh import MAX_SIMULATED_DEVICES
+from xlaopt.planning.price import AnalyticPrice, price
+from xlaopt.planning.shapes import analytic_shape
+from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, enumerate_space
+from xlaopt.program import TrainProgram
+
+
+@dataclasses.dataclass
+class Priced:
+    candidate: Candidate
+    analytic: AnalyticPrice
+    compiled: dict | None = None  # the `analyze` result, when compiled
+    reason: str = ""
+
+    @property
+    def method(self) -> str:
+        return "compiled" if self.compiled is not None else "analytic"
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compiled["step_time_s"] if self.compiled is not None else self.analytic.step_time_s
+
+    @property
+    def memory_bytes(self) -> float:
+        if self.compiled is not None:
+            return float(self.compiled["memory_per_device_bytes"]["peak_estimate"])
+        return self.analytic.memory_bytes
+
+
+@dataclasses.dataclass
+class Plan:
+    program: TrainProgram  # the base program: model, batch, execution, target
+    topology: Topology
+    method: str  # how the best few were priced: "compiled (gpu target)", "compiled (cpu target)" or "analytic"
+    ranked: list[Priced]  # buildable and fitting, best first
+    unfit: list[Priced]  # buildable, but over the device memory
+    rejected: list[Rejected]  # cannot be built
+    baseline: Priced | None  # None where pure FSDP cannot split the batch
+    model_flops: float
+    seconds: float
+
+    @property
+    def best(self) -> Priced:
+        return self.ranked[0]
+
+    def program_for(self, candidate: Candidate) -> TrainProgram:
+        return candidate_program(self.program, candidate)
+
+    def layout_for(self, candidate: Candidate) -> Layout:
+        p = self.program_for(candidate)
+        return Layout(p.mesh, p.rules, p.settings.batch, p.execution, p.model.name, self.topology.name)
+
+    def mfu(self, priced: Priced) -> float:
+        from xlaopt.analysis.simulate import mfu
+
+        return mfu(self.model_flops, priced.step_time_s, self.topology, priced.candidate.num_devices,
+                   priced.candidate.compute_dtype)
+
+
+def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
+    execution = dataclasses.replace(base.execution, remat=c.remat, micro_batches=c.micro_batches,
+                                    compute_dtype=c.compute_dtype)
+    return base.replace(mesh=c.mesh, execution=execution, shardings=None)
+
+
+def compile_method(target: str, num_devices: int) -> str | None:
+    """What compiles candidates for `target` on this machine, or None (analytic only)."""
+    if target == "gpu":
+        from xlaopt.analysis import gpu_aot
+
+        return "compiled (gpu target)" if gpu_aot.available() else None
+    import jax
+
+    if num_devices <= min(MAX_SIMULATED_DEVICES, len(jax.devices("cpu"))):
+        return "compiled (cpu target)"
+    return None
+
+
+def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int = 2, exhaustive: bool = False,
+         precisions: tuple[str, ...] = PRECISIONS, on_compile=None) -> Plan:
+    t0 = time.perf_counter()
+    from xlaopt.analysis.attention_work import batch_work
+
+    work = batch_work(program.replace(mesh=program.mesh.__class__()), batch.arrays)
+    shape = _shape(program, work, batch)
+    space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
+                                      topology.devices_per_node, program.execution.attention, precisions)
+    if not space:
+        raise UserError(_no_split_message(program, topology, rejected))
+    dense = program.execution.attention == "dense"
+    hbm = topology.device.hbm_bytes
+    eff = efficiency_for(topology)
+    priced = [Priced(c, price(c, shape, program.settings.batch, topology, program.target, dense, eff)) for c in space]
+    fits = [p for p in priced if hbm <= 0 or p.analytic.memory_bytes <= hbm]
+    unfit = [p for p in priced if not (hbm <= 0 or p.analytic.memory_bytes <= hbm)]
+    for p in unfit:
+        p.reason = f"needs {p.analytic.memory_bytes / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} (analytic)"
+    if not fits:
+        raise UserError(_no_fit_message(program, topology, unfit, shape, dense))
+    fits.sort(key=_rank_key)
+
+    method = compile_method(program.target, topology.num_devices)
+    baseline = _baseline(priced, topology)
+    if method is not None:
+        chosen = fits if exhaustive else _diverse(fits, top)
+        if baseline is not None and baseline in fits and baseline not in chosen:
+            chosen.append(baseline)  # compiled anyway, so ranked by its compiled price
+        for p in chosen + ([baseline] if baseline is not None and baseline not in chosen else []):
+            _compile(p, program, topology, batch, on_compile)
+            if hbm > 0 and p.memory_bytes > hbm:
+                p.reason = (f"compiled, needs {p.memory_bytes / 2**30:,.1f} GiB per device of "
+                            f"{hbm / 2**30:,.1f} (analytic said {p.analytic.memory_bytes / 2**30:,.1f})")
+        # The compiled few rank first, by their compiled price; the rest follow by the analytic one
+        # (the baseline among them, though compiled: it was not chosen for its price).
+        late_unfit = [p for p in chosen if p.reason]
+        compiled_fit = sorted((p for p in chosen if not p.reason), key=_rank_key)
+        fits = compiled_fit + [p for p in fits if p not in chosen]
+        unfit = late_unfit + unfit
+        if not fits:
+            raise UserError(f"no candidate's compiled step fits {hbm / 2**30:,.1f} GiB per device; "
+                            f"the analytic memory model was too optimistic: try --top with more candidates")
+    else:
+        method = "analytic"
+    best = fits[0]
+    for p in fits[1:]:
+        # Each against the best by the same method: compiled and analytic prices differ in level.
+        if p.compiled is not None:
+            p.reason = f"{p.step_time_s / best.step_time_s:.3f}x the best's compiled step time"
+        else:
+            p.reason = f"{p.analytic.step_time_s / best.analytic.step_time_s:.3f}x the best's analytic step time"
+    best.reason = "best"
+    return Plan(program, topology, method, fits, unfit, rejected, baseline, work.model_flops,
+                time.perf_counter() - t0)
+
+
+def _diverse(ranked: list[Priced], top: int) -> list[Priced]:
+    """The best `top` by analytic price, one per mesh family and recomputation (tensor, context,
+    pure DP / FSDP / HSDP, remat): near-twins that differ in a split the analytic model prices
+    alike would only compile the same error twice."""
+    chosen, seen = [], set()
+    for p in ranked:
+        c = p.candidate
+        key = (c.kind, c.remat)
+        if key not in seen:
+            seen.add(key)
+            chosen.append(p)
+        if len(chosen) == top:
+            break
+    return chosen
+
+
+def _rank_key(p: Priced):
+    """Compiled prices among the compiled few; analytic ones for the rest."""
+    c = p.candidate
+    # Ties (fp16 prices as bf16) go to bf16, then to fewer micro-batches and less recomputation.
+    return (p.step_time_s, c.compute_dtype != "bfloat16", c.micro_batches, REMATS.index(c.remat))
+
+
+def _shape(program: TrainProgram, work, batch: PricedBatch):
+    if program.model.family != "cosmos3":
+        return analytic_shape(program.model)
+    pairs = work.pairs_executed if work.pairs_executed is not None else work.pairs_needed
+    text = float((batch.arrays["text_segment_ids_BT"] > 0).sum())
+    gen = float((batch.arrays["gen_segment_ids_BV"] > 0).sum())
+    return analytic_shape(program.model, pairs / program.settings.batch.batch_size, text / max(text + gen, 1.0))
+
+
+def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
+    """Pure FSDP over every device, one micro-batch, bf16, with the least recomputation that fits
+    (full recomputation when none does)."""
+    n, hbm = topology.num_devices, topology.device.hbm_bytes
+    options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp, p.candidate.micro_batches) ==
+               (1, 1, 1, 1) and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"]
+    if not options:
+        return None  # e.g. fewer rows than devices: pure FSDP cannot split them
+    options.sort(key=lambda p: REMATS.index(p.candidate.remat))
+    fitting = [p for p in options if hbm <= 0 or p.analytic.memory_bytes <= hbm]
+    return (fitting or options[-1:])[0]
+
+
+def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBatch, on_compile) -> None:
+    from xlaopt.analysis.analyze import analyze
+    from xlaopt.context import PassContext
+    from xlaopt.passes.mesh_layout import MeshLayout
+
+    program = candidate_program(base, p.candidate)
+    program = MeshLayout().run(program, PassContext.for_program(program, topology)).program
+    p.compiled = analyze(program, topology, program.target, batch=batch)
+    if on_compile is not None:
+        on_compile(p)
+
+
+def _no_split_message(program: TrainProgram, topology: Topology, rejected: list[Rejected]) -> str:
+    b = program.settings.batch
+    reasons = sorted({r.reason for r in rejected})
+    nearest = _nearest(b.batch_size, lambda rows: enumerate_space(
+        program.model, dataclasses.replace(b, batch_size=rows), topology.num_devices, topology.devices_per_node,
+        program.execution.attention, ("bfloat16",))[0])
+    return (f"no layout of {program.model.name} splits a global batch of {b.batch_size} rows of "
+            f"{b.text_len + b.gen_len} tokens over {topology.num_devices} devices ({topology.name}): "
+            f"{'; '.join(reasons[:3])}; the nearest global batch that works is {nearest} rows")
+
+
+def _nearest(value: int, works) -> int | None:
+    for delta in range(0, 4 * value + 1):
+        for v in (value - delta, value + delta):
+            if v >= 1 and works(v):
+                return v
+    return None
+
+
+def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Priced], shape, dense: bool) -> str:
+    least = min(unfit, key=lambda p: p.analytic.memory_bytes)
+    hbm = topology.device.hbm_bytes
+    name = topology.name.split(":")[0]
+    rows_per_device = max(1, program.settings.batch.batch_size // topology.num_devices)
+    smallest = None
+    nodes = topology.nodes
+    while smallest is None and nodes < 65536:
+        nodes *= 2
+        bigger = preset(name, nodes, topology.devices_per_node) if name in _preset_names() else None
+        if bigger is None:
+            break
+        b = dataclasses.replace(program.settings.batch, batch_size=rows_per_device * bigger.num_devices)
+        space, _ = enumerate_space(program.model, b, bigger.num_devices, bigger.devices_per_node,
+                                   program.execution.attention, ("bfloat16",))
+        if any(price(c, shape, b, bigger, program.target, dense, efficiency_for(bigger)).memory_bytes <= hbm for c in space):
+            smallest = bigger.name
+    where = (f"the smallest {name} topology where a layout fits is {smallest} (at {rows_per_device} rows per "
+             f"device)" if smallest else f"no {name} topology up to {nodes} nodes fits it")
+    return (f"{program.model.name} does not fit on {topology.name} with any layout: the least memory is "
+            f"{least.analytic.memory_bytes / 2**30:,.1f} GiB per device ({least.candidate}) of "
+            f"{hbm / 2**30:,.1f}; {where}")
+
+
+def _preset_names() -> tuple[str, ...]:
+    from xlaopt.analysis.topology import PRESETS
+
+    return tuple(p for p in PRESETS if p != "cpu")

@@ -1,0 +1,86 @@
+"""A candidate's analytic price: step time from `xlaopt.analysis.analytic` (the calibrated
+model every published run is priced with) and memory per device from what the step holds.
+
+Software, as xlaopt's programs run: XLA fuses elementwise work; tensor parallelism all-reduces
+the activations (the rule table has no sequence parallelism); on the GPU target FSDP's gathers
+and reductions overlap the layers (XLA's async collectives; the CPU target overlaps nothing);
+parameters are gathered and gradients reduced in fp32 (the master weights are cast to the compute
+dtype after the gather); pure data parallel replicates the optimizer state.
+
+Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
+  state      fp32 parameters and AdamW's two moments: 12 B x params / (fsdp x tp);
+  gradients  fp32, the same shards: 4 B x params / (fsdp x tp);
+  weights    the compute-dtype copy of two layers in flight (FSDP prefetch): 2 x 2 B x layer params / tp,
+             whole when not FSDP-sharded (the cast copy of the whole model);
+  saved      what each layer keeps for backward, per token: `remat=full` its input (d), `dots` the
+             matmul outputs, `none` every activation, times the layers and the micro-batch's tokens;
+  working    one layer's full activations while it runs backward, plus the logits and their
+             gradient in fp32 (text tokens x vocab / tp), plus dense attention's fp32 logits.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.analysis import analytic, costmodel as cm
+from xlaopt.analysis.topology import Topology
+from xlaopt.data.batch import BatchShape
+from xlaopt.planning.space import Candidate
+
+_RECOMPUTE = {"none": "none", "dots": "dots", "full": "full"}  # remat policy -> the analytic model's
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticPrice:
+    step_time_s: float
+    breakdown: analytic.StepBreakdown
+    memory_bytes: float
+    memory_parts: dict
+
+
+def software(candidate: Candidate, target: str) -> analytic.Software:
+    return analytic.Software(fused_elementwise=True, recompute=_RECOMPUTE[candidate.remat], sequence_parallel=False,
+                             tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
+                             param_gather_bytes=4, grad_reduce_bytes=4)
+
+
+def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Layout:
+    rows_per_micro_batch = batch.batch_size // (candidate.data * candidate.micro_batches)
+    return analytic.Layout(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=1, cp=candidate.cp,
+                           global_batch=batch.batch_size, seq_len=batch.text_len + batch.gen_len,
+                           micro_batch=max(rows_per_micro_batch, 1))
+
+
+def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape, topology: Topology, target: str,
+          dense_attention: bool, eff: cm.Efficiency = cm.FITTED) -> AnalyticPrice:
+    layout = analytic_layout(candidate, batch)
+    breakdown = analytic.price_step(shape, layout, topology, software(candidate, target), eff)
+    parts = memory_parts(candidate, shape, batch, dense_attention)
+    return AnalyticPrice(breakdown.step_time_s, breakdown, sum(parts.values()), parts)
+
+
+def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, dense_attention: bool) -> dict:
+    """Bytes per device by part (see the module docstring)."""
+    compute = 4 if c.compute_dtype == "float32" else 2
+    params = shape.params
+    shards = c.fsdp * c.tp
+    d, dh = shape.d_model, shape.head_dim
+    heads, kv, ffn = shape.heads / c.tp, shape.kv_heads / c.tp, shape.ffn / c.tp
+    rows = batch.batch_size // (c.data * c.micro_batches)
+    row_len = batch.text_len + batch.gen_len
+    tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
+    mlp_matrices = 3 if shape.mlp == "swiglu" else 2
+    # Per token and layer: the attention block (norm, q, k, v, attention out, o) and the MLP (norm,
+    # up (+gate), activation, down), in the compute dtype.
+    every = compute * (2 * d + heads * dh + 2 * kv * dh + heads * dh + d + mlp_matrices * ffn + ffn + d)
+    dots = compute * (heads * dh + 2 * kv * dh + d + (mlp_matrices - 1) * ffn + d)
+    saved_per_token = {"none": every, "dots": dots, "full": compute * d}[c.remat]
+    logits_fraction = getattr(shape, "text_fraction", 1.0)
+    attention_logits = 4.0 * rows * heads * (row_len / c.cp) * row_len if dense_attention else 0.0
+    weights = 2 * compute * shape.layer_params / c.tp if c.fsdp > 1 else compute * params / c.tp
+    return {
+        "state": 12.0 * params / shards,
+        "gradients": 4.0 * params / shards,
+        "weights": float(weights),
+        "saved": saved_per_token * tokens * shape.layers,
+        "working": every * tokens + 8.0 * tokens * logits_fraction * shape.vocab / c.tp + attention_logits,
+    }

@@ -1,0 +1,106 @@
+"""The candidate layouts for a model on a topology and a global batch.
+
+A candidate is a mesh (data replicas x FSDP shards x tensor x context over every device), the
+device order that keeps the tensor and context groups innermost and the FSDP shard group inside
+the data replicas (HSDP's shard group on the fast links: `DEVICE_ORDER_TENSOR_INNER`), a
+recomputation policy, a micro-batch count and a compute precision. Pure data parallel (fsdp=1),
+pure FSDP (dp=1) and every HSDP split between them are enumerated. Tensor and context groups are
+kept inside a node (tp x cp <= devices per node): across the network their per-layer
+collectives cannot hide. Candidates that cannot be built say why (`Rejected`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.execution import DTYPES
+from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+
+REMATS = ("none", "dots", "full")  # keep everything, keep matmul outputs, keep each layer's input
+PRECISIONS = tuple(d for d in ("bfloat16", "float16") if d in DTYPES)  # fp32 compute is never the fast choice
+MAX_MICRO_BATCHES = 8
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    dp: int  # data-parallel replicas (HSDP's replica axis when fsdp > 1)
+    fsdp: int  # parameter shards within a replica
+    tp: int
+    cp: int
+    remat: str = "none"
+    micro_batches: int = 1
+    compute_dtype: str = "bfloat16"
+
+    @property
+    def data(self) -> int:
+        return self.dp * self.fsdp
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.tp * self.cp
+
+    @property
+    def mesh(self) -> MeshSpec:
+        return MeshSpec((self.dp, self.fsdp, self.tp, self.cp), DEVICE_ORDER_TENSOR_INNER)
+
+    @property
+    def kind(self) -> str:
+        base = "FSDP" if self.dp == 1 and self.fsdp > 1 else "HSDP" if self.fsdp > 1 else "DP"
+        return base + (f"+TP{self.tp}" if self.tp > 1 else "") + (f"+CP{self.cp}" if self.cp > 1 else "")
+
+    def __str__(self) -> str:
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.compute_dtype]
+        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp} cp={self.cp} remat={self.remat} "
+                f"mb={self.micro_batches} {dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    candidate: Candidate
+    reason: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_node: int, attention: str,
+                    precisions: tuple[str, ...] = PRECISIONS) -> tuple[list[Candidate], list[Rejected]]:
+    """(buildable candidates, rejected ones with their reasons) over all `num_devices` devices."""
+    ok: list[Candidate] = []
+    rejected: list[Rejected] = []
+    row_lengths = [n for n in (batch.text_len, batch.gen_len) if n > 0]
+    tensor_dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.mlp_dim,
+                   "vocab": config.vocab_size}
+    for tp in (t for t in _divisors(devices_per_node) if num_devices % t == 0):
+        for cp in (c for c in _divisors(devices_per_node // tp) if num_devices % (tp * c) == 0):
+            data = num_devices // (tp * cp)
+            for fsdp in _divisors(data):
+                base = Candidate(data // fsdp, fsdp, tp, cp)
+                reason = _structural_reason(base, config, batch, tensor_dims, row_lengths, attention)
+                rows_per_rank = batch.batch_size // data if batch.batch_size % data == 0 else 0
+                for remat in REMATS:
+                    for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
+                        for dtype in precisions:
+                            c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype)
+                            (rejected.append(Rejected(c, reason)) if reason else ok.append(c))
+    return ok, rejected
+
+
+def _structural_reason(c: Candidate, config, batch: BatchShape, tensor_dims: dict, row_lengths: list,
+                       attention: str) -> str:
+    """Why the candidate cannot be built at all, or ''."""
+    if batch.batch_size % c.data:
+        return f"the global batch of {batch.batch_size} rows does not split over {c.data} data ranks"
+    bad = [f"{name} {n}" for name, n in tensor_dims.items() if n % c.tp]
+    if bad:
+        return f"tensor={c.tp} does not divide {', '.join(bad)}"
+    if config.d_model % c.fsdp:
+        return f"fsdp={c.fsdp} does not divide d_model {config.d_model}"
+    if c.cp > 1:
+        if attention == "cudnn":
+            return ("context parallel splits a row's sequence, which jax 0.10.2's cuDNN attention refuses; "
+                    "the segment loop that can split it is far slower on a GPU")
+        if any(n % c.cp for n in row_lengths):
+            return f"context={c.cp} does not divide the row's {' + '.join(map(str, row_lengths))} tokens"
+    return ""
