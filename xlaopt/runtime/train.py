@@ -135,7 +135,7 @@ class _Run:
         if self.resumed is None:
             self.state = compiled.init(jax.random.fold_in(self.key, 0))
         else:
-            self.state, _, _ = self.manager.restore(compiled.abstract_state, step=self.resumed)
+            self.state, _ = compiled.restore_state(self.manager, self.resumed)
         self.start = int(self.state.step)
 
     def _batches(self, steps: int):
