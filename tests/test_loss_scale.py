@@ -133,3 +133,24 @@ def test_loss_scale_checkpoints_and_restores_across_dtypes(compiled, program, ba
     fresh, _ = compiled.restore_state(manager, 2)  # a float16 run from a bf16 checkpoint starts its scale afresh
     assert float(fresh.loss_scale.value) == FP16.loss_scale_init and int(fresh.loss_scale.good_steps) == 0
     jax.tree.map(np.testing.assert_array_equal, _host(fresh.params), saved.params)
+
+
+def test_cli_train_reports_skipped_steps_and_resumes_in_another_dtype(tmp_path, capsys):
+    """Through `xlaopt train`: overflowing steps are counted, and the float16 run's checkpoint
+    resumes under bfloat16 (any execution config resumes)."""
+    import json
+
+    from xlaopt.cli import main
+
+    args = ["train", "--model", "llama-tiny", "--set", "num_layers=2", "--no-progress", "--ckpt", str(tmp_path / "c")]
+    out = tmp_path / "fp16.json"
+    assert main([*args, "--steps", "2", "--dtype", "float16", "--exec", f"loss_scale_init={2.0**100}",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["skipped_steps"] == 2 and [s["loss_scale"] for s in result["steps"]] == [2.0**100, 2.0**99]
+    assert "2 updates skipped on float16 overflow" in capsys.readouterr().out
+    out = tmp_path / "bf16.json"
+    assert main([*args, "--steps", "3", "--dtype", "bfloat16", "--resume", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["checkpoint"]["resumed_from"] == 2 and [s["step"] for s in result["steps"]] == [2]
+    assert result["skipped_steps"] == 0 and "loss_scale" not in result["steps"][0]
