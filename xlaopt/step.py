@@ -127,34 +127,25 @@ def first_step_grad_fn(program: TrainProgram):
 
 def build_train_step(program: TrainProgram):
     opt = make_optimizer(program.settings)
-    if not loss_scale.uses_loss_scale(program.execution):
-        grad_fn = build_grad_fn(program)
-
-        def train_step(state: TrainState, batch, key):
-            loss, metrics, grads = grad_fn(state.params, batch, jax.random.fold_in(key, state.step))
-            updates, opt_state = opt.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-            return TrainState(state.step + 1, params, opt_state), metrics
-
-        return train_step
-
+    scaled = loss_scale.uses_loss_scale(program.execution)
     interval = program.execution.loss_scale_growth_interval
 
-    def scaled_train_step(state: TrainState, batch, key):
-        scale = state.loss_scale
-        # Built inside the trace: the gradient function closes over this step's (traced) scale.
-        grad_fn = build_grad_fn(program, scale.value)
+    def train_step(state: TrainState, batch, key):
+        # Built inside the trace: under float16 it closes over this step's (traced) loss scale.
+        grad_fn = build_grad_fn(program, state.loss_scale.value if scaled else None)
         loss, metrics, grads = grad_fn(state.params, batch, jax.random.fold_in(key, state.step))
-        finite = loss_scale.all_finite(grads)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+        if not scaled:
+            return TrainState(state.step + 1, params, opt_state), metrics
+        finite = loss_scale.all_finite(grads)
         params, opt_state = loss_scale.keep_if(finite, (params, opt_state), (state.params, state.opt_state))
-        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), loss_scale=scale.value,
-                       skipped=(~finite).astype(jnp.float32))
-        return TrainState(state.step + 1, params, opt_state, loss_scale.next_scale(scale, finite, interval)), metrics
+        metrics.update(loss_scale=state.loss_scale.value, skipped=(~finite).astype(jnp.float32))
+        scale = loss_scale.next_scale(state.loss_scale, finite, interval)
+        return TrainState(state.step + 1, params, opt_state, scale), metrics
 
-    return scaled_train_step
+    return train_step
 
 
 def build_init(program: TrainProgram):
