@@ -47,7 +47,8 @@ class MeshLayout:
                        for name, (shape, _, axes) in batch_spec(program).items()}
         for shape, axes in ctx.cache.activation_axes(program):
             logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
-        shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs), batch_specs,
+        scale_specs = jax.tree.map(lambda _: PartitionSpec(), state.loss_scale)  # scalars, replicated
+        shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs, scale_specs), batch_specs,
                                         self.constrain_activations)
         new = program.replace(shardings=shardings)
         return PassResult(new, new != program, self._report(program, params, param_specs, use))

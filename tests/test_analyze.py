@@ -112,3 +112,14 @@ def test_cli_prices_rows_packed_from_a_mix(tmp_path):
     assert result["attention_pairs_executed_over_needed"] >= 1.0
     assert set(result["attention"]["pair_loop_trips_busiest_device"]) == {"xlaopt_pairs_L256_S256",
                                                                           "xlaopt_pairs_L2048_S2304"}
+
+
+@needs_devices(2)
+def test_analyze_float16_step(tmp_path):
+    """The float16 step (loss scaling included) compiles and prices at the float16 peak."""
+    out = tmp_path / "fp16.json"
+    assert main(["analyze", "--model", "llama-tiny", "--set", "num_layers=2", "--mesh", "fsdp=2",
+                 "--topology", "h100:1x8", "--dtype", "float16", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compute_dtype"] == "float16" and 0 < result["mfu"] < 1
+    assert any("matmuls at the float16 peak" in note for note in result["notes"])

@@ -66,3 +66,12 @@ def test_gpu_device_kinds_find_their_datasheet_peak():
     assert device_for_kind("NVIDIA H100 80GB HBM3").peak_flops["bfloat16"] == 989e12
     assert device_for_kind("NVIDIA A100-SXM4-80GB").name == "A100 SXM 80GB"
     assert device_for_kind("cpu") is None
+
+
+def test_cpu_simulation_prices_every_compute_dtype():
+    """analyze prices a CPU compile's matmuls at the compute dtype's peak: each has the measured one."""
+    from xlaopt.analysis.topology import cpu_simulation
+    from xlaopt.execution import DTYPES
+
+    device = cpu_simulation(4, host_flops=8e9).device
+    assert {dtype: device.peak_flops[dtype] for dtype in DTYPES} == {dtype: 2e9 for dtype in DTYPES}

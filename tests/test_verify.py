@@ -74,3 +74,34 @@ def test_cli_verify_data2_fsdp2_tensor2(tmp_path, capsys):
     assert set(result) >= {"max_abs_diff_loss", "max_rel_diff_grads", "ok"}
     assert result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1}
     assert ": ok" in capsys.readouterr().out
+
+
+LLAMA = ["--model", "llama-tiny", "--set", "num_layers=2"]
+
+
+@needs_devices(4)
+def test_cli_verify_float16_against_float32(tmp_path, capsys):
+    out = tmp_path / "verify.json"
+    rc = main(["verify", *LLAMA, "--mesh", "fsdp=2,tensor=2", "--dtype", "float16", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["ok"], result
+    assert result["dtype"] == "float16" and result["reference_dtype"] == "float32"
+    assert result["grad_tolerance"] == 16 * 2.0**-11
+    assert result["max_rel_diff_grads"] > 1e-4  # float16 rounding really shows against float32
+    assert "(float16 against float32 on one device)" in capsys.readouterr().out
+
+
+@needs_devices(4)
+def test_verify_float16_catches_underflowed_gradients():
+    """Too small a loss scale flushes float16 cotangents to zero: against the float32 reference
+    the gradients are wrong, as a float16 reference would not show."""
+    from xlaopt.models.registry import get_config
+    from xlaopt.runtime.verify import reference_program
+
+    tiny = ExecutionConfig(compute_dtype="float16", loss_scale_init=2.0**-10)
+    program = TrainProgram(get_config("llama-tiny", {"num_layers": 2}), MeshSpec.parse("fsdp=2,tensor=2"), execution=tiny)
+    sharded, _ = run_pipeline(program, pipeline())
+    single, _ = run_pipeline(reference_program(program), pipeline())
+    assert single.execution.compute_dtype == "float32"
+    result = compare(one_step_grads(sharded), one_step_grads(single), "float16")
+    assert not result["ok"] and result["max_rel_diff_grads"] > 0.1, result

@@ -89,11 +89,11 @@ def compile_program(program):
 
 def verify(program) -> dict:
     """One gradient step of `program` against the same program on one device (run through the
-    same pipeline); `["ok"]` says whether they agree within the compute dtype's tolerance."""
-    from xlaopt.mesh import MeshSpec
-    from xlaopt.runtime.verify import compare, one_step_grads
+    same pipeline; in float32 when `program` computes in float16); `["ok"]` says whether they
+    agree within the compute dtype's tolerance."""
+    from xlaopt.runtime.verify import compare, one_step_grads, reference_program
 
-    single, _ = optimize(program.replace(mesh=MeshSpec(), shardings=None))
+    single, _ = optimize(reference_program(program))
     return compare(one_step_grads(program), one_step_grads(single), program.execution.compute_dtype)
 
 

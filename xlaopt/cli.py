@@ -34,7 +34,8 @@ def _program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.set_defaults(default_dtype=default_dtype)
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="an execution setting (xlaopt.execution: remat, attention, attention_block, layer_stack, "
-                        "micro_batches), e.g. --exec remat=full (repeatable); a resume accepts any")
+                        "micro_batches, loss_scale_init, loss_scale_growth_interval), e.g. --exec remat=full (repeatable); "
+                        "a resume accepts any")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option, e.g. --xla-option xla_cpu_enable_fast_math=false (repeatable)")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.FIELD=VALUE",
@@ -440,16 +441,17 @@ def cmd_train(args) -> int:
 
 def cmd_verify(args) -> int:
     program = _program_on_devices(args)
-    from xlaopt.runtime.verify import compare, one_step_grads
+    from xlaopt.runtime.verify import compare, one_step_grads, reference_program
 
     mesh = program.mesh
     sharded, passes = _apply_pipeline(args, program, args.dump_hlo)
-    single, _ = _apply_pipeline(args, program.replace(mesh=MeshSpec()), None)
-    dtype = program.execution.compute_dtype
+    single, _ = _apply_pipeline(args, reference_program(program), None)
+    dtype, reference_dtype = program.execution.compute_dtype, single.execution.compute_dtype
     result = compare(one_step_grads(sharded), one_step_grads(single), dtype)
-    result.update(model=args.model, mesh=mesh.as_dict(), dtype=dtype, execution=dataclasses.asdict(program.execution),
-                  passes=passes)
-    print(f"verify {args.model} on {mesh} ({dtype}): loss diff {result['max_abs_diff_loss']:.3g} "
+    result.update(model=args.model, mesh=mesh.as_dict(), dtype=dtype, reference_dtype=reference_dtype,
+                  execution=dataclasses.asdict(program.execution), passes=passes)
+    against = "" if reference_dtype == dtype else f" against {reference_dtype} on one device"
+    print(f"verify {args.model} on {mesh} ({dtype}{against}): loss diff {result['max_abs_diff_loss']:.3g} "
           f"(tol {result['loss_tolerance']:.3g}), max grad rel diff {result['max_rel_diff_grads']:.3g} "
           f"at {result['worst_grad']} (tol {result['grad_tolerance']:.3g}): {'ok' if result['ok'] else 'MISMATCH'}")
     _write_json(args.json, result)

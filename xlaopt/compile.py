@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xlaopt import loss_scale
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import make_mesh
@@ -29,7 +30,10 @@ from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, rows_split_over
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import logical_to_spec, mesh_axes_of
-from xlaopt.step import abstract_state, batch_spec, build_grad_fn, build_init, build_train_step
+from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn
+
+# Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
+_SCALE_PREFIX = "loss_scale/"
 
 
 class CompiledProgram:
@@ -59,7 +63,7 @@ class CompiledProgram:
         self._train_jit = jax.jit(build_train_step(program), donate_argnums=0,
                                   in_shardings=(self.state_shardings, self.batch_shardings, key_sh),
                                   out_shardings=(self.state_shardings, None))
-        self._grads_jit = jax.jit(build_grad_fn(program),
+        self._grads_jit = jax.jit(first_step_grad_fn(program),
                                   in_shardings=(self.state_shardings.params, self.batch_shardings, key_sh),
                                   out_shardings=(None, None, self.state_shardings.params))
         self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
@@ -108,7 +112,8 @@ class CompiledProgram:
 
     @functools.cached_property
     def grads(self):
-        """Compiled (params, batch, key) -> (loss, metrics, grads)."""
+        """Compiled (params, batch, key) -> (loss, metrics, grads), as the first train step
+        computes them (under float16, with the loss scaled by `loss_scale_init`)."""
         with _tracing_context(self.program, self.mesh):
             lowered = self._grads_jit.lower(self.abstract_state.params, self._abstract_batch, self._abstract_key)
         return self._compile(lowered)
@@ -117,6 +122,29 @@ class CompiledProgram:
     def init(self):
         """Compiled key -> TrainState, created directly in its shardings."""
         return self._compile(self._init_jit.lower(self._abstract_key))
+
+    def restore_state(self, manager, step: int):
+        """(state, meta) of checkpoint `step` of `manager` (an `xlaopt.checkpoint.CheckpointManager`),
+        laid out on this program's shardings. A checkpoint saved under another compute dtype
+        restores too, as any execution config's does: a float16 run resumed from a bf16 or fp32
+        checkpoint starts its loss scale afresh at `loss_scale_init`, and a run that does not
+        scale drops a float16 checkpoint's scale."""
+        from xlaopt.checkpoint import CheckpointError
+
+        target = self.abstract_state
+        saved = any(leaf["name"].startswith(_SCALE_PREFIX) for leaf in manager.manifest(step)["leaves"])
+        if saved == (target.loss_scale is not None):
+            state, meta, _ = manager.restore(target, step=step)
+            return state, meta
+        if target.loss_scale is not None:  # partial restore keeps the target's values, so give real ones
+            target = target._replace(loss_scale=jax.device_put(loss_scale.initial(self.program.execution),
+                                                               self.state_shardings.loss_scale))
+        state, meta, report = manager.restore(target, step=step, partial=True)
+        others = [n for n in report["kept_from_target"] + report["ignored"] if not n.startswith(_SCALE_PREFIX)]
+        if others:  # only the loss scale may differ; partial must not hide anything else
+            raise CheckpointError(f"step {step}: the checkpoint's tree differs from this program's beyond the loss "
+                                  f"scale: {', '.join(others[:8])}")
+        return state, meta
 
     def _compile(self, lowered):
         program = self.program

@@ -5,10 +5,16 @@ says how one step runs: the precision policy, recomputation, the attention imple
 the layer stack runs and how many micro-batches a step accumulates. Passes rewrite it freely:
 a checkpoint resumes under any execution config (the parameters and the data are the same),
 while a different model or data is refused.
+
+Precision: the model computes in `compute_dtype`; master weights, gradients and the optimizer
+state are fp32 whatever it is. float16 also scales the loss dynamically (`xlaopt.loss_scale`),
+starting at `loss_scale_init` and doubling after `loss_scale_growth_interval` finite steps in
+a row; bfloat16 and float32 have float32's exponent range, need no scaling and ignore both.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import get_type_hints
 
 from xlaopt.errors import UserError
@@ -18,7 +24,7 @@ from xlaopt.models.registry import parse_assignments
 from xlaopt.models.stack import REMAT_POLICIES, STRATEGIES, StackSpec
 
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float16", "float32")
 TARGETS = ("cpu", "gpu")
 
 
@@ -31,6 +37,10 @@ class ExecutionConfig:
     attention_max_segments: int = MAX_SEGMENTS  # attention=cudnn: samples a row may hold (a static shape of the step)
     layer_stack: str = "scan"  # a strategy of `xlaopt.models.stack.STRATEGIES`
     micro_batches: int = 1  # gradient accumulation: the batch is split into this many along its rows
+    # float16 only (see the module docstring): the first step's loss scale, a power of two, and
+    # how many finite steps in a row double it.
+    loss_scale_init: float = 2.0**15
+    loss_scale_growth_interval: int = 2000
 
     def __post_init__(self):
         choices = {"compute_dtype": DTYPES, "remat": REMAT_POLICIES, "attention": ATTENTION,
@@ -38,9 +48,15 @@ class ExecutionConfig:
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise UserError(f"execution setting {field}={getattr(self, field)!r}; use one of {', '.join(valid)}")
-        for field in ("attention_block", "attention_max_segments", "micro_batches"):
+        for field in ("attention_block", "attention_max_segments", "micro_batches", "loss_scale_growth_interval"):
             if getattr(self, field) < 1:
                 raise UserError(f"execution setting {field}={getattr(self, field)} must be at least 1")
+        init = self.loss_scale_init
+        # fp32 holds powers of two from 2^-126 to 2^127 exactly; the scaled loss is fp32.
+        if not (math.isfinite(init) and init > 0 and math.frexp(init)[0] == 0.5 and -126 <= math.log2(init) <= 127):
+            raise UserError(f"execution setting loss_scale_init={init!r} must be a power of two between 2^-126 and "
+                            f"2^127 (e.g. {2.0**15:g} = 2^15): scaling by a power of two rounds nothing, so the "
+                            f"fp16 step computes the same numbers as unscaled wherever they stay in range")
 
     @property
     def stack(self) -> StackSpec:

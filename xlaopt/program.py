@@ -43,6 +43,9 @@ class TrainState(NamedTuple):
     step: Any
     params: Any
     opt_state: Any
+    # `xlaopt.loss_scale.LossScale` under float16; None (no leaves, so checkpoints of other
+    # dtypes are unchanged) otherwise.
+    loss_scale: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,11 @@
-"""The training step: AdamW on fp32 master weights, the model in the compute dtype."""
+"""The training step: AdamW on fp32 master weights, the model in the compute dtype.
+
+Under float16 the step scales its loss (`xlaopt.loss_scale`). A step whose gradients are not
+all finite changes neither the parameters nor the optimizer state (so AdamW's own count, which
+drives the learning-rate schedule and the bias correction, does not advance either), while
+`TrainState.step` still advances: it counts the batches consumed, which the data position, the
+noise key and the checkpoint step numbers follow, and a skipped batch is not retried.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
+from xlaopt import loss_scale
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
 from xlaopt.models.layers import activation_constraint
@@ -48,8 +56,11 @@ def abstract_batch(program: TrainProgram) -> dict:
     return {k: jax.ShapeDtypeStruct(s, d) for k, (s, d, _) in batch_spec(program).items()}
 
 
-def base_grad_fn(program: TrainProgram):
-    """(params, batch, key) -> (loss, metrics, grads); any sampling in the loss uses `key`."""
+def base_grad_fn(program: TrainProgram, scale=None):
+    """(params, batch, key) -> (loss, metrics, grads); any sampling in the loss uses `key`.
+    With a loss `scale` (a scalar, traced or not) the loss is multiplied by it before it is
+    differentiated and the fp32 gradients divided by it: the loss and gradients returned are
+    the unscaled ones, and only the compute-dtype cotangents in between are scaled."""
     model, loss_fn = make_model(program), family_of(program.model).loss
 
     def grad_fn(params, batch, key):
@@ -57,7 +68,18 @@ def base_grad_fn(program: TrainProgram):
             params, batch, key)
         return loss, metrics, grads
 
-    return grad_fn
+    if scale is None:
+        return grad_fn
+
+    def scaled_grad_fn(params, batch, key):
+        def scaled_loss(p):
+            loss, metrics = loss_fn(model, p, batch, key)
+            return loss * scale, (loss, metrics)
+
+        (_, (loss, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
+        return loss, metrics, jax.tree.map(lambda g: g / scale, grads)
+
+    return scaled_grad_fn
 
 
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
@@ -90,24 +112,42 @@ def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
     return accumulated
 
 
-def build_grad_fn(program: TrainProgram):
+def build_grad_fn(program: TrainProgram, scale=None):
+    """The step's gradient function: micro-batches (each micro-batch's loss scaled by `scale`,
+    when given), then the program's grad transforms, which see unscaled gradients."""
     axes = {name: spec[2] for name, spec in batch_spec(program).items()}
-    fn = accumulate(base_grad_fn(program), program.execution.micro_batches, axes)
+    fn = accumulate(base_grad_fn(program, scale), program.execution.micro_batches, axes)
     for transform in program.grad_transforms:
         fn = transform.apply(fn)
     return fn
 
 
+def first_step_grad_fn(program: TrainProgram):
+    """The gradient function of the program's first train step: under float16 its loss is
+    scaled by `loss_scale_init`, as a fresh state's is (`CompiledProgram.grads`, `verify`)."""
+    execution = program.execution
+    return build_grad_fn(program, execution.loss_scale_init if loss_scale.uses_loss_scale(execution) else None)
+
+
 def build_train_step(program: TrainProgram):
-    grad_fn = build_grad_fn(program)
     opt = make_optimizer(program.settings)
+    scaled = loss_scale.uses_loss_scale(program.execution)
+    interval = program.execution.loss_scale_growth_interval
 
     def train_step(state: TrainState, batch, key):
+        # Built inside the trace: under float16 it closes over this step's (traced) loss scale.
+        grad_fn = build_grad_fn(program, state.loss_scale.value if scaled else None)
         loss, metrics, grads = grad_fn(state.params, batch, jax.random.fold_in(key, state.step))
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if not scaled:
+            return TrainState(state.step + 1, params, opt_state), metrics
+        finite = loss_scale.all_finite(grads)
+        params, opt_state = loss_scale.keep_if(finite, (params, opt_state), (state.params, state.opt_state))
+        metrics.update(loss_scale=state.loss_scale.value, skipped=(~finite).astype(jnp.float32))
+        scale = loss_scale.next_scale(state.loss_scale, finite, interval)
+        return TrainState(state.step + 1, params, opt_state, scale), metrics
 
     return train_step
 
@@ -118,7 +158,7 @@ def build_init(program: TrainProgram):
     def init(key) -> TrainState:
         batch = {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program).items()}
         params = nn.meta.unbox(model.init(key, batch)["params"])
-        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), loss_scale.initial(program.execution))
 
     return init
 

@@ -145,7 +145,10 @@ def cpu_simulation(devices: int, host_flops: float | None = None) -> Topology:
 
         host_flops = measure_cpu_matmul_peak("float32")
     per_device = host_flops / devices
-    device = Device(SIMULATED_CPU, {"float32": per_device, "bfloat16": per_device}, 0.0, 10e9)
+    # analyze prices a CPU compile's matmuls at the compute dtype's peak; the one measured peak
+    # stands for every compute dtype, so a --dtype never falls through to another's figure.
+    device = Device(SIMULATED_CPU, {"float32": per_device, "bfloat16": per_device, "float16": per_device},
+                    0.0, 10e9)
     return Topology(f"cpu:1x{devices}", device, 1, devices, (LinkLevel("host-memory", 10e9, 1e-6),))
 
 

@@ -9,6 +9,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 
+from xlaopt import loss_scale
 from xlaopt.checkpoint import CheckpointManager
 from xlaopt.checkpoint.layout import committed_steps
 from xlaopt.interop.diffusers_config import ReferenceSettings, load_config
@@ -27,9 +28,11 @@ SOURCE_KEY = "imported_from"
 
 
 def initial_state(program, params, state_shardings) -> TrainState:
-    """Step 0 with fresh optimizer moments, laid out on the program's state shardings."""
+    """Step 0 with fresh optimizer moments (and loss scale, under float16), laid out on the
+    program's state shardings."""
     opt = make_optimizer(program.settings)
-    make = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, opt.init(p)), out_shardings=state_shardings)
+    make = jax.jit(lambda p: TrainState(jnp.zeros((), jnp.int32), p, opt.init(p), loss_scale.initial(program.execution)),
+                   out_shardings=state_shardings)
     return make(params)
 
 
@@ -92,5 +95,5 @@ def export_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "floa
     config = Cosmos3Config(**cfg)
     settings = ReferenceSettings.from_json(meta[SOURCE_KEY]["reference"])
     compiled = CompiledProgram(TrainProgram(config))
-    state, _, _ = manager.restore(compiled.abstract_state, step=step)
+    state, _ = compiled.restore_state(manager, step)
     return export_diffusers(state.params, config, settings, out_dir, dtype)

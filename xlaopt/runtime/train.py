@@ -135,7 +135,7 @@ class _Run:
         if self.resumed is None:
             self.state = compiled.init(jax.random.fold_in(self.key, 0))
         else:
-            self.state, _, _ = self.manager.restore(compiled.abstract_state, step=self.resumed)
+            self.state, _ = compiled.restore_state(self.manager, self.resumed)
         self.start = int(self.state.step)
 
     def _batches(self, steps: int):
@@ -213,6 +213,8 @@ def _summary(run: _Run, data_dir: str | None, records: list, tokens: list, flops
         "steps": records,
         "loss_first5_mean": statistics.fmean(head),
         "loss_last5_mean": statistics.fmean(tail),
+        # float16: steps whose update was skipped because a gradient overflowed (see xlaopt.step).
+        "skipped_steps": int(sum(r.get("skipped", 0.0) for r in records)),
         "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": sum(tokens[1:] or tokens) / busy,
         "data_wait_fraction": sum(r["data_wait_s"] for r in timed) / busy,
@@ -248,7 +250,9 @@ def format_summary(result: dict) -> str:
         f"model {result['model']}  params {result['param_count'] / 1e6:.1f}M  mesh "
         + ",".join(f"{a}={s}" for a, s in result["mesh"].items() if s > 1) + f"  {result['compute_dtype']}",
         f"steps {len(result['steps'])}  loss {result['loss_first5_mean']:.3f} -> {result['loss_last5_mean']:.3f}"
-        f" (mean of first / last 5)",
+        f" (mean of first / last 5)"
+        + (f"  {result['skipped_steps']} updates skipped on float16 overflow (last step's "
+           f"loss scale {result['steps'][-1]['loss_scale']:g})" if result["skipped_steps"] else ""),
         f"median step {result['median_step_time_s']:.3f}s  tokens/s {result['tokens_per_s']:.0f}  "
         f"data wait {100 * result['data_wait_fraction']:.1f}%  compile {result['compile_s']:.1f}s"
         + (f"  skipped {result['data']['state']['skipped']} samples longer than a row"
