@@ -124,6 +124,8 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
             chosen.append(baseline)  # compiled anyway, so ranked by its compiled price
         for p in chosen + ([baseline] if baseline is not None and baseline not in chosen else []):
             _compile(p, program, topology, batch, on_compile)
+            if p.compiled is None:
+                continue  # XLA refused it; the reason says how
             if hbm > 0 and p.memory_bytes > hbm:
                 p.reason = (f"compiled, needs {p.memory_bytes / 2**30:,.1f} GiB per device of "
                             f"{hbm / 2**30:,.1f} (analytic said {p.analytic.memory_bytes / 2**30:,.1f})")
@@ -155,7 +157,7 @@ def _diverse(ranked: list[Priced], top: int) -> list[Priced]:
     pure DP / FSDP / HSDP, remat): near-twins that differ in a split the analytic model prices
     alike would only compile the same error twice."""
     chosen, seen = [], set()
-    for p in ranked:
+    for p in ranked if top > 0 else ():
         c = p.candidate
         key = (c.kind, c.remat)
         if key not in seen:
@@ -202,7 +204,13 @@ def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBat
 
     program = candidate_program(base, p.candidate)
     program = MeshLayout().run(program, PassContext.for_program(program, topology)).program
-    p.compiled = analyze(program, topology, program.target, batch=batch)
+    try:
+        p.compiled = analyze(program, topology, program.target, batch=batch)
+    except Exception as e:  # noqa: BLE001 - a compiler's refusal is a ranking fact, not the planner's failure
+        if isinstance(e, UserError):
+            raise
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        p.reason = f"does not compile for the {program.target} target: {first[:200]}"
     if on_compile is not None:
         on_compile(p)
 
