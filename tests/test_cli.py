@@ -58,7 +58,7 @@ def test_passes_lists_the_pipeline(capsys):
       "--xla-option", "xla_backend_optimization_level=2"], "given twice, as 1 and 2; keep one"),
     (["verify", "--model", "llama-tiny", "--pass-option", "mesh-layout.rules=x"],
      "unknown mesh-layout option 'rules'; valid: constrain_activations"),
-    (["verify", "--model", "llama-tiny", "--passes", "overlap"], "unknown pass 'overlap'; passes are: mesh-layout"),
+    (["verify", "--model", "llama-tiny", "--passes", "overlap"], "unknown pass 'overlap'; passes are: layout-plan, mesh-layout"),
     (["train", "--model", "cosmos3-tiny", "--mesh", "tensor=8"], "tensor=8 does not divide dimension 2 (kv_heads, size 4)"),
     (["train", "--model", "cosmos3-tiny", "--mesh", "data=3"], "data=3 does not divide dimension 0 (batch, size 8)"),
     (["train", "--model", "cosmos3-tiny", "--mesh", "data=16"], "needs 16 devices but cpu has 8"),

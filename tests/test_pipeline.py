@@ -29,13 +29,15 @@ def program(tiny_config):
 
 def test_passes_have_kebab_names_and_summaries():
     names = [p.name for p in pipeline()]
-    assert names[0] == "mesh-layout" and len(set(names)) == len(names)
+    assert names[:2] == ["layout-plan", "mesh-layout"] and len(set(names)) == len(names)
     assert all(p.summary and "\n" not in p.summary for p in pipeline())
 
 
 def test_mesh_layout_changes_once_then_nothing(program):
     once, records = run_pipeline(program, pipeline())
-    assert records[0].changed and once.shardings is not None and program.shardings is None  # input untouched
+    by_name = {r.name: r for r in records}
+    assert not by_name["layout-plan"].changed and by_name["layout-plan"].report == {"enabled": False}  # off by default
+    assert by_name["mesh-layout"].changed and once.shardings is not None and program.shardings is None  # input untouched
     twice, records2 = run_pipeline(once, pipeline())
     assert [r.changed for r in records2] == [False] * len(pipeline()) and twice == once
 
@@ -53,6 +55,22 @@ def test_equal_programs_built_apart_hash_and_compare_equal(program):
     # The context's cache traced the model once for the first run, not once per lookup.
     run_pipeline(program, pipeline(), ctx=ctx)
     assert ctx.cache.misses == 3
+
+
+def test_layout_plan_when_enabled_replaces_the_mesh_with_its_best_candidate(program):
+    from xlaopt.analysis.topology import preset
+    from xlaopt.errors import UserError
+
+    passes = pipeline({"layout-plan": {"enabled": True, "top": 0}})  # analytic prices only: nothing compiled
+    with pytest.raises(UserError, match="layout-plan needs a topology"):
+        run_pipeline(program, passes)
+    planned, records = run_pipeline(program, passes, ctx=PassContext(topology=preset("h100", 1, 8)))
+    report = records[0].report
+    assert records[0].changed and report["method"] == "analytic" and planned.mesh.num_devices == 8
+    best = report["best"]["layout"]
+    assert {a: s for a, s in planned.mesh.as_dict().items() if s > 1} == best["mesh"]
+    assert planned.execution.remat == best.get("execution", {}).get("remat", "none")
+    assert planned.shardings is not None  # mesh-layout applied the new mesh after it
 
 
 def test_a_pass_reads_the_topology_and_target_from_its_context(program):
@@ -77,8 +95,10 @@ def test_a_pass_reads_the_topology_and_target_from_its_context(program):
 
 def test_pass_options_are_typed_and_checked():
     options = parse_pass_options(["mesh-layout.constrain_activations=false"])
-    assert pipeline(options)[0].constrain_activations is False and pipeline()[0].constrain_activations is True
-    for item, message in [("mesh-layuot.x=1", "unknown pass 'mesh-layuot'; passes are: mesh-layout"),
+    layout = lambda passes: next(p for p in passes if p.name == "mesh-layout")
+    assert layout(pipeline(options)).constrain_activations is False and layout(pipeline()).constrain_activations is True
+    assert parse_pass_options(["layout-plan.top=3"]) == {"layout-plan": {"top": 3}}
+    for item, message in [("mesh-layuot.x=1", "unknown pass 'mesh-layuot'; passes are: layout-plan, mesh-layout"),
                           ("mesh-layout.constrain=1", "did you mean 'constrain_activations'"),
                           ("mesh-layout.constrain_activations=maybe", "not a valid bool"),
                           ("constrain_activations=false", "expected PASS.FIELD=VALUE")]:
@@ -128,14 +148,14 @@ def test_failing_pass_is_named_with_what_ran_before(program):
             raise KeyError("boom")
 
     with pytest.raises(PipelineError, match="'broken' failed \\(passes run before it: mesh-layout\\)"):
-        run_pipeline(program, (pipeline()[0], Broken()))
+        run_pipeline(program, (*select_passes(pipeline(), only=["mesh-layout"]), Broken()))
 
 
 def test_disable_by_name_leaves_everything_replicated(program):
     passes = select_passes(pipeline(), disable=["mesh-layout"])
-    assert passes == ()
+    assert [p.name for p in passes] == ["layout-plan"]  # off unless enabled: changes nothing
     out, records = run_pipeline(program, passes)
-    assert out == program and records == []
+    assert out == program and [r.changed for r in records] == [False]
     compiled = compile_program(out)
     assert all(s.spec == P() for s in jax.tree.leaves(compiled.state_shardings))
     with pytest.raises(UserError, match="unknown pass 'mesh-layuot'"):
@@ -148,10 +168,11 @@ def test_dump_appears_where_asked(program, tmp_path):
     _, records = run_pipeline(small, pipeline(), dump_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00-input.compiled.hlo", "00-input.lowered.mlir",
-                     "01-mesh-layout.compiled.hlo", "01-mesh-layout.lowered.mlir"]
-    assert records[0].dumped == (str(tmp_path / "01-mesh-layout.lowered.mlir"), str(tmp_path / "01-mesh-layout.compiled.hlo"))
+                     "02-mesh-layout.compiled.hlo", "02-mesh-layout.lowered.mlir"]  # layout-plan: off, no change
+    assert records[0].dumped == ()
+    assert records[1].dumped == (str(tmp_path / "02-mesh-layout.lowered.mlir"), str(tmp_path / "02-mesh-layout.compiled.hlo"))
     before = (tmp_path / "00-input.compiled.hlo").read_text()
-    after = (tmp_path / "01-mesh-layout.compiled.hlo").read_text()
+    after = (tmp_path / "02-mesh-layout.compiled.hlo").read_text()
     assert before.startswith("HloModule") and after.startswith("HloModule")
     # Replicated params need no gathers; FSDP-sharded params are all-gathered before use.
     assert before.count("all-gather") == 0 and after.count("all-gather") > 0

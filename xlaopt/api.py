@@ -36,7 +36,8 @@ def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None
                   execution: Mapping[str, Any] | Any = None, target: str = "cpu",
                   compiler_options: Mapping[str, Any] | None = None, seed: int = 0):
     """A TrainProgram of a registered model (a name, with `overrides` of its config fields, or a
-    config), on a mesh ("fsdp=4,tensor=2" or a MeshSpec) or a layout file (mesh and rules).
+    config), on a mesh ("fsdp=4,tensor=2" or a MeshSpec) or a layout file (mesh, order, rules, and
+    the batch and execution it holds, which `batch` and `execution` given here replace).
     `batch`: a BatchShape or (rows, text tokens, generator tokens); default the family's.
     `execution`: an ExecutionConfig or its fields as a mapping."""
     import dataclasses
@@ -56,7 +57,10 @@ def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None
         if mesh:
             raise UserError("give a mesh or a layout file, not both: a layout file holds its mesh")
         loaded = load_layout(layout)
+        loaded.check_model(config.name, str(layout))
         mesh_spec, rules = loaded.mesh, loaded.rules
+        batch = loaded.batch if batch is None else batch
+        execution = loaded.execution if execution is None else execution
     else:
         mesh_spec, rules = (mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)), DEFAULT_RULES
     if batch is None:

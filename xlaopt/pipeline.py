@@ -4,7 +4,7 @@ A pass is a frozen dataclass with a stable kebab-case `name`, a one-line `summar
 options as fields, and `run(program, ctx) -> PassResult(program, changed, report)`; it never
 mutates its input. `ctx` (`xlaopt.context.PassContext`) carries the target, the topology and
 a cache. The pipeline checks between passes that `changed` is honest (equal to
-`new != old`), can dump the lowered and compiled HLO after each pass, and names the failing
+`new != old`), can dump the lowered and compiled HLO after each pass that changed the program, and names the failing
 pass and the ones that ran before it when something goes wrong.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | 
             raise PipelineError(f"pass {p.name!r} reported changed={result.changed} but the program "
                                 f"{'did' if actually_changed else 'did not'} change (passes run before it: {ran})")
         dumped = ()
-        if dump_dir is not None:
+        if dump_dir is not None and result.changed:  # an unchanged program's HLO is the last dump's
             dumped = _dump(result.program, pathlib.Path(dump_dir), index, p.name)
         records.append(PassRecord(p.name, result.changed, result.report, dumped))
         program = result.program

@@ -79,15 +79,20 @@ FITTED = Efficiency(matmul_max=0.636, matmul_max_ampere=0.792, matmul_half_flops
 
 
 def efficiency_for(topology) -> Efficiency:
-    """FITTED for GPUs; measured on this host for simulated CPU devices (the GPU fit says nothing
-    about XLA's CPU kernels; `xlaopt.analysis.cpu_peak.measure_cpu_efficiency`)."""
+    """FITTED for GPUs; for simulated CPU devices, measured on this host (the GPU fit says nothing
+    about XLA's CPU kernels): large matmuls reach the measured peak by definition (matmul_max 1);
+    `matmul_half_flops` from a 128^3 matmul's measured fraction of it (the FLOPs at which a matmul
+    reaches half, on the curve e = f / (f + half)); attention (dense matmuls and a softmax on the
+    CPU) at that small matmul's fraction; copies between simulated devices at the link's full rate."""
     from xlaopt.analysis.topology import SIMULATED_CPU
 
-    if topology.device.name == SIMULATED_CPU:
-        from xlaopt.analysis.cpu_peak import measure_cpu_efficiency
+    if topology.device.name != SIMULATED_CPU:
+        return FITTED
+    from xlaopt.analysis.cpu_peak import measure_small_matmul_fraction
 
-        return measure_cpu_efficiency()
-    return FITTED
+    flops, fraction = measure_small_matmul_fraction()
+    return Efficiency(matmul_max=1.0, matmul_max_ampere=1.0, matmul_half_flops=flops * (1 / fraction - 1),
+                      attention=max(fraction, 1e-3), nvlink=1.0, network=1.0)
 
 
 # --- compute -----------------------------------------------------------------------------

@@ -23,20 +23,8 @@ def measure_cpu_matmul_peak(dtype: str, n: int = 1024, repeats: int = 5) -> floa
 
 
 @functools.lru_cache(maxsize=1)
-def measure_cpu_efficiency(dtype: str = "float32"):
-    """The cost model's efficiencies for simulated CPU devices, measured on this host: large
-    matmuls reach the measured peak by definition (matmul_max 1); `matmul_half_flops` from a
-    128^3 matmul's measured fraction of that peak (the FLOPs at which a matmul would reach half,
-    on the model's curve e = f / (f + half)); attention is dense matmuls and softmax on the
-    CPU, priced at that small matmul's fraction; copies between simulated devices are memory
-    copies, at the link's full rate (nvlink = network = 1)."""
-    from xlaopt.analysis.costmodel import Efficiency
-
+def measure_small_matmul_fraction(dtype: str = "float32", n: int = 128) -> tuple[float, float]:
+    """(FLOPs of an n^3 matmul, the fraction of the host's measured peak it reaches)."""
     peak = measure_cpu_matmul_peak(dtype)
-    n = 128
     small = measure_cpu_matmul_peak(dtype, n=n, repeats=20)
-    fraction = min(small / peak, 1.0)
-    flops = 2 * n**3
-    half = flops * (1 / fraction - 1)
-    return Efficiency(matmul_max=1.0, matmul_max_ampere=1.0, matmul_half_flops=half, attention=max(fraction, 1e-3),
-                      nvlink=1.0, network=1.0)
+    return 2.0 * n**3, min(small / peak, 1.0)

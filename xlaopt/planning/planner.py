@@ -116,7 +116,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
         raise UserError(_no_fit_message(program, topology, unfit, shape, dense))
     fits.sort(key=_rank_key)
 
-    method = compile_method(program.target, topology.num_devices)
+    method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
     baseline = _baseline(priced, topology)
     if method is not None:
         chosen = fits if exhaustive else _diverse(fits, top)
