@@ -163,3 +163,18 @@ def test_verify_an_hsdp_layout_with_swapped_device_order(tmp_path, capsys):
     path.write_text(json.dumps(dict(HSDP_ORDERED, order=["fsdp", "data", "context", "tensor"])))
     assert main(["verify", "--model", "llama-tiny", "--layout", str(path)]) == 0
     assert "(devices ordered fsdp>data)" in capsys.readouterr().out
+
+
+@needs_devices(8)
+def test_an_fp16_hsdp_layout_verifies_against_fp32_and_trains(tmp_path, capsys):
+    """The layout file's execution reaches the step: fp16 with loss scaling, checked against an
+    fp32 single-device reference, then trained."""
+    path = tmp_path / "fp16.json"
+    path.write_text(json.dumps(dict(HSDP_ORDERED, execution={"compute_dtype": "float16"})))
+    assert main(["verify", "--model", "llama-tiny", "--layout", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "(float16" in out and "ok" in out
+    assert main(["train", "--model", "llama-tiny", "--layout", str(path), "--steps", "2", "--no-progress",
+                 "--json", str(tmp_path / "t.json")]) == 0
+    steps = json.loads((tmp_path / "t.json").read_text())["steps"]
+    assert len(steps) == 2 and all("loss_scale" in s for s in steps)

@@ -117,29 +117,24 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     fits.sort(key=_rank_key)
 
     method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
-    baseline = _baseline(priced, topology)
+    baseline = None
     if method is not None:
-        chosen = fits if exhaustive else _diverse(fits, top)
+        compile_one = lambda p: _compile(p, program, topology, batch, on_compile)  # noqa: E731
+        chosen = _compile_best(fits, top, exhaustive, hbm, compile_one)
+        baseline = _compiled_baseline(priced, topology, chosen, compile_one)
         if baseline is not None and baseline in fits and baseline not in chosen:
             chosen.append(baseline)  # compiled anyway, so ranked by its compiled price
-        for p in chosen + ([baseline] if baseline is not None and baseline not in chosen else []):
-            _compile(p, program, topology, batch, on_compile)
-            if p.compiled is None:
-                continue  # XLA refused it; the reason says how
-            if hbm > 0 and p.memory_bytes > hbm:
-                p.reason = (f"compiled, needs {p.memory_bytes / 2**30:,.1f} GiB per device of "
-                            f"{hbm / 2**30:,.1f} (analytic said {p.analytic.memory_bytes / 2**30:,.1f})")
-        # The compiled few rank first, by their compiled price; the rest follow by the analytic one
-        # (the baseline among them, though compiled: it was not chosen for its price).
-        late_unfit = [p for p in chosen if p.reason]
+        # The compiled few rank first, by their compiled price; the rest follow by the analytic one.
+        tried = [p for p in fits if p.reason]  # compiled over memory, refused, or skipped by the memory scale
         compiled_fit = sorted((p for p in chosen if not p.reason), key=_rank_key)
-        fits = compiled_fit + [p for p in fits if p not in chosen]
-        unfit = late_unfit + unfit
-        if not fits:
-            raise UserError(f"no candidate's compiled step fits {hbm / 2**30:,.1f} GiB per device; "
-                            f"the analytic memory model was too optimistic: try --top with more candidates")
+        fits = compiled_fit + [p for p in fits if p not in chosen and not p.reason]
+        unfit = tried + unfit
+        if not compiled_fit:
+            raise UserError(f"no compiled candidate fits {hbm / 2**30:,.1f} GiB per device (the analytic memory "
+                            f"model was too optimistic); plan with a larger --top, or on more devices")
     else:
         method = "analytic"
+        baseline = _baseline(priced, topology)
     best = fits[0]
     for p in fits[1:]:
         # Each against the best by the same method: compiled and analytic prices differ in level.
@@ -150,6 +145,65 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     best.reason = "best"
     return Plan(program, topology, method, fits, unfit, rejected, baseline, work.model_flops,
                 time.perf_counter() - t0)
+
+
+def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, compile_one) -> list[Priced]:
+    """Compile candidates best-first (one per mesh family and remat, see `_diverse`) until `top`
+    fit. A compiled step over memory teaches how far the analytic memory is off for its remat
+    policy: later candidates whose analytic memory, scaled by that, is over are skipped uncompiled
+    (with the reason). At most 3 x top compiles."""
+    if exhaustive:
+        for p in fits:
+            compile_one(p)
+            _check_memory(p, hbm)
+        return list(fits)
+    chosen, seen, scale = [], set(), {}
+    attempts = 0
+    for p in fits:
+        c = p.candidate
+        if sum(not q.reason for q in chosen) >= top or attempts >= 3 * top:
+            break
+        if (c.kind, c.remat) in seen:
+            continue
+        factor = scale.get(c.remat, 1.0)
+        if hbm > 0 and p.analytic.memory_bytes * factor > hbm:
+            p.reason = (f"needs ~{p.analytic.memory_bytes * factor / 2**30:,.1f} GiB per device of "
+                        f"{hbm / 2**30:,.1f}: the analytic memory x{factor:.2f}, as far off as compiling "
+                        f"remat={c.remat} showed")
+            continue
+        seen.add((c.kind, c.remat))
+        attempts += 1
+        compile_one(p)
+        if p.compiled is not None:
+            scale[c.remat] = max(scale.get(c.remat, 1.0), p.memory_bytes / p.analytic.memory_bytes)
+        _check_memory(p, hbm)
+        chosen.append(p)
+    for p in fits:  # what the compiles showed applies to the candidates left uncompiled too
+        factor = scale.get(p.candidate.remat, 1.0)
+        if p.compiled is None and not p.reason and hbm > 0 and p.analytic.memory_bytes * factor > hbm:
+            p.reason = (f"needs ~{p.analytic.memory_bytes * factor / 2**30:,.1f} GiB per device of "
+                        f"{hbm / 2**30:,.1f}: the analytic memory x{factor:.2f}, as far off as compiling "
+                        f"remat={p.candidate.remat} showed")
+    return chosen
+
+
+def _check_memory(p: Priced, hbm: float) -> None:
+    if p.compiled is not None and hbm > 0 and p.memory_bytes > hbm:
+        p.reason = (f"compiled, needs {p.memory_bytes / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} "
+                    f"(analytic said {p.analytic.memory_bytes / 2**30:,.1f})")
+
+
+def _compiled_baseline(priced: list[Priced], topology: Topology, chosen: list[Priced], compile_one) -> Priced | None:
+    """The baseline, compiled: the least recomputation whose compiled step fits (full when none does)."""
+    hbm = topology.device.hbm_bytes
+    options = _baseline_options(priced, topology)
+    for p in options:
+        if p.compiled is None and not p.reason:
+            compile_one(p)
+            _check_memory(p, hbm)
+        if p.compiled is not None and not p.reason:
+            return p
+    return options[-1] if options else None
 
 
 def _diverse(ranked: list[Priced], top: int) -> list[Priced]:
@@ -184,17 +238,20 @@ def _shape(program: TrainProgram, work, batch: PricedBatch):
     return analytic_shape(program.model, pairs / program.settings.batch.batch_size, text / max(text + gen, 1.0))
 
 
-def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
-    """Pure FSDP over every device, one micro-batch, bf16, with the least recomputation that fits
-    (full recomputation when none does)."""
+def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:
+    """Pure FSDP over every device, one micro-batch, bf16: by recomputation, least first, those the
+    analytic memory lets fit first (none where, e.g., fewer rows than devices cannot split)."""
     n, hbm = topology.num_devices, topology.device.hbm_bytes
     options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp, p.candidate.micro_batches) ==
                (1, 1, 1, 1) and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"]
-    if not options:
-        return None  # e.g. fewer rows than devices: pure FSDP cannot split them
-    options.sort(key=lambda p: REMATS.index(p.candidate.remat))
-    fitting = [p for p in options if hbm <= 0 or p.analytic.memory_bytes <= hbm]
-    return (fitting or options[-1:])[0]
+    options.sort(key=lambda p: (hbm > 0 and p.analytic.memory_bytes > hbm, REMATS.index(p.candidate.remat)))
+    return options
+
+
+def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
+    """The baseline priced analytically: the least recomputation that fits (full when none does)."""
+    options = _baseline_options(priced, topology)
+    return options[0] if options else None
 
 
 def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBatch, on_compile) -> None:
