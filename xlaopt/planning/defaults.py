@@ -87,13 +87,13 @@ def plan_program(args, config, topology, old=None):
     pick = lambda value, fallback: fallback if value is None else value
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
-    if old is not None and args.batch_size is None:
-        batch, changed = _splittable(config, batch, topology)
-        if changed:
-            note = (note + "; " if note else "") + changed
     base = old.execution if old is not None and old.execution is not None else ExecutionConfig()
     base = dataclasses.replace(base, attention="cudnn" if target == "gpu" else base.attention if old else "dense")
     execution = parse_execution(args.exec, base)
+    if old is not None and args.batch_size is None:
+        batch, changed = _splittable(config, batch, topology, execution.attention)
+        if changed:
+            note = (note + "; " if note else "") + changed
     program = TrainProgram(config, settings=TrainSettings(batch=batch, seed=args.seed), execution=execution,
                            target=target)
     priced = (mix_batch(program, mix) if mix is not None else store_batch(program, args.data) if args.data
@@ -107,19 +107,22 @@ def _data_mesh(n: int):
     return MeshSpec((n, 1, 1, 1))
 
 
-def _splittable(config, batch: BatchShape, topology) -> tuple[BatchShape, str]:
-    """The old global batch if some layout of the new topology splits it, else the nearest that one does."""
+def _splittable(config, batch: BatchShape, topology, attention: str) -> tuple[BatchShape, str]:
+    """The old global batch if some layout of the new topology splits it, else the nearest one that
+    does, multiples of the device count first (a cluster that shrinks keeps its rows per device)."""
     from xlaopt.planning.space import enumerate_space
 
     works = lambda rows: bool(enumerate_space(config, dataclasses.replace(batch, batch_size=rows),
-                                              topology.num_devices, topology.devices_per_node, "dense",
+                                              topology.num_devices, topology.devices_per_node, attention,
                                               ("bfloat16",))[0])
-    if works(batch.batch_size):
+    rows, n = batch.batch_size, topology.num_devices
+    if works(rows):
         return batch, ""
-    for delta in range(1, 4 * batch.batch_size):
-        for rows in (batch.batch_size - delta, batch.batch_size + delta):
-            if rows >= 1 and works(rows):
-                return (dataclasses.replace(batch, batch_size=rows),
-                        f"the old global batch of {batch.batch_size} rows splits over no layout of "
-                        f"{topology.num_devices} devices; re-planned for the nearest that does, {rows} rows")
-    raise UserError(f"no global batch near {batch.batch_size} rows splits over {topology.num_devices} devices")
+    per_device = sorted({max(1, rows // n) * n, -(-rows // n) * n}, key=lambda r: (abs(r - rows), r))
+    nearest = [r for delta in range(1, 4 * rows) for r in (rows - delta, rows + delta) if r >= 1]
+    for candidate in per_device + nearest:
+        if works(candidate):
+            return (dataclasses.replace(batch, batch_size=candidate),
+                    f"the old global batch of {rows} rows splits over no layout of {n} devices; re-planned "
+                    f"for {candidate} rows ({candidate / n:g} per device)")
+    raise UserError(f"no global batch near {rows} rows splits over {n} devices")
