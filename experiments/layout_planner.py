@@ -57,7 +57,7 @@ def base_program(model: str, topology, mix: str | None, global_batch: int | None
     return program, (mix_batch(program, mix) if mix else synthetic_batch(program))
 
 
-def run_case(name: str, exhaustive_max: int) -> dict:
+def run_case(name: str, exhaustive_max: int, precisions: tuple[str, ...] | None = None) -> dict:
     from xlaopt.analysis.topology import parse_topology
     from xlaopt.errors import UserError
     from xlaopt.planning.planner import plan
@@ -68,8 +68,10 @@ def run_case(name: str, exhaustive_max: int) -> dict:
     out = {"case": name, "model": model, "topology": topo, "data": batch.source,
            "global_batch": program.settings.batch.batch_size,
            "row_tokens": program.settings.batch.text_len + program.settings.batch.gen_len}
+    kw = {} if precisions is None else {"precisions": precisions}
+    out["precisions"] = list(precisions) if precisions else "all"
     try:
-        planned = plan(program, topology, batch)
+        planned = plan(program, topology, batch, **kw)
     except UserError as e:
         return dict(out, error=str(e))
     best = planned.best
@@ -85,7 +87,7 @@ def run_case(name: str, exhaustive_max: int) -> dict:
         out["exhaustive"] = f"skipped: {len(planned.ranked)} candidates fit (> --exhaustive-max {exhaustive_max})"
         return out
     t0 = time.perf_counter()
-    full = plan(program, topology, batch, exhaustive=True)
+    full = plan(program, topology, batch, exhaustive=True, **kw)
     out.update(exhaustive_seconds=time.perf_counter() - t0, exhaustive_best=str(full.best.candidate),
                exhaustive_best_step_s=full.best.step_time_s,
                planner_over_exhaustive=best.step_time_s / full.best.step_time_s,
@@ -136,6 +138,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--exhaustive-max", type=int, default=80)
+    parser.add_argument("--precisions", default=None,
+                        help="restrict the space (planner and exhaustive alike), e.g. bfloat16: fp16 candidates "
+                             "price as their bf16 twins, so an exhaustive run over both compiles each twice")
     parser.add_argument("--cpu-ranking", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--json", default=None)
@@ -155,7 +160,7 @@ def main() -> int:
         print(f"{'case':<18}{'fit':>5}{'plan s':>8}{'best (planner)':>48}{'step s':>8}{'exh. best':>48}"
               f"{'ratio':>7}{'vs FSDP':>8}{'mem an/comp GiB':>17}")
         for name in args.cases.split(","):
-            r = run_case(name, args.exhaustive_max)
+            r = run_case(name, args.exhaustive_max, tuple(args.precisions.split(",")) if args.precisions else None)
             rows.append(r)
             if "error" in r:
                 print(f"{name:<18} error: {r['error']}", flush=True)
