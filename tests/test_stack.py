@@ -68,3 +68,19 @@ def test_micro_batches_average_the_gradients_of_their_slices():
         np.testing.assert_allclose(got, (a + b) / 2, rtol=1e-5, atol=1e-7)
     with pytest.raises(UserError, match="micro_batches=3 does not divide the batch of 8 rows"):
         program.replace(execution=dataclasses.replace(FP32, micro_batches=3))
+
+
+@needs_devices(8)
+def test_micro_batches_keep_the_batch_sharding():
+    """Micro-batch i takes every m-th row, so with the rows split 8 ways each micro-batch is still
+    split 8 ways and nothing moves between devices but the gradient all-reduce. (Leading slices
+    put each micro-batch on half the devices: 9 collective-permutes and 5 all-gathers here.)"""
+    import re
+
+    program = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=8"),
+                           settings=TrainSettings(batch=BatchShape(16, 32, 0)),
+                           execution=dataclasses.replace(FP32, micro_batches=2))
+    text = compile_program(run_pipeline(program, pipeline())[0]).train_step.as_text()
+    count = lambda kind: len(re.findall(rf"= [^=]*? {kind}(-start)?\(", text))
+    assert (count("collective-permute"), count("all-gather"), count("all-to-all")) == (0, 0, 0)
+    assert count("all-reduce") >= 1
