@@ -15,14 +15,14 @@ from xlaopt.analysis.priced_batch import PricedBatch
 from xlaopt.analysis.topology import Topology, preset
 from xlaopt.errors import UserError
 from xlaopt.layout import Layout
-from xlaopt.mesh import MAX_SIMULATED_DEVICES
+from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 from xlaopt.planning.price import AnalyticPrice, price
 from xlaopt.planning.shapes import analytic_shape
 from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, enumerate_space
 from xlaopt.program import TrainProgram
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: a candidate's price is one object the plan updates
 class Priced:
     candidate: Candidate
     analytic: AnalyticPrice
@@ -98,7 +98,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     t0 = time.perf_counter()
     from xlaopt.analysis.attention_work import batch_work
 
-    work = batch_work(program.replace(mesh=program.mesh.__class__()), batch.arrays)
+    work = batch_work(program.replace(mesh=MeshSpec()), batch.arrays)  # the batch's work, not a layout's
     shape = _shape(program, work, batch)
     space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
                                       topology.devices_per_node, program.execution.attention, precisions)
@@ -148,7 +148,8 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
 
 
 def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, compile_one) -> list[Priced]:
-    """Compile candidates best-first (one per mesh family and remat, see `_diverse`) until `top`
+    """Compile candidates best-first, one per mesh family and remat policy (near-twins that differ
+    in a split the analytic model prices alike would only compile the same error twice), until `top`
     fit. A compiled step over memory teaches how far the analytic memory is off for its remat
     policy: later candidates whose analytic memory, scaled by that, is over are skipped uncompiled
     (with the reason). At most 3 x top compiles."""
@@ -204,22 +205,6 @@ def _compiled_baseline(priced: list[Priced], topology: Topology, chosen: list[Pr
         if p.compiled is not None and not p.reason:
             return p
     return options[-1] if options else None
-
-
-def _diverse(ranked: list[Priced], top: int) -> list[Priced]:
-    """The best `top` by analytic price, one per mesh family and recomputation (tensor, context,
-    pure DP / FSDP / HSDP, remat): near-twins that differ in a split the analytic model prices
-    alike would only compile the same error twice."""
-    chosen, seen = [], set()
-    for p in ranked if top > 0 else ():
-        c = p.candidate
-        key = (c.kind, c.remat)
-        if key not in seen:
-            seen.add(key)
-            chosen.append(p)
-        if len(chosen) == top:
-            break
-    return chosen
 
 
 def _rank_key(p: Priced):
