@@ -82,7 +82,8 @@ def run_case(name: str, exhaustive_max: int, precisions: tuple[str, ...] | None 
                best_memory_compiled_gib=best.memory_bytes / 2**30,
                best_memory_analytic_gib=best.analytic.memory_bytes / 2**30,
                baseline=str(planned.baseline.candidate) if planned.baseline else None,
-               baseline_step_s=planned.baseline.step_time_s if planned.baseline else None)
+               baseline_step_s=planned.baseline.step_time_s if planned.baseline else None,
+               baseline_method=planned.baseline.method if planned.baseline else None)
     out["speedup_over_baseline"] = (out["baseline_step_s"] / best.step_time_s) if planned.baseline else None
     if len(planned.ranked) > exhaustive_max:
         out["exhaustive"] = f"skipped: {len(planned.ranked)} candidates fit (> --exhaustive-max {exhaustive_max})"

@@ -67,6 +67,10 @@ def plan_program(args, config, topology, old=None):
     from xlaopt.program import TrainProgram, TrainSettings
 
     target, note = plan_target(args.target, topology)
+    if target == "gpu":
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless, as for analyze --target gpu
     n = topology.num_devices
     gpu = topology.device.hbm_bytes > 0
     cosmos = config.family == "cosmos3"

@@ -195,7 +195,7 @@ def _check_memory(p: Priced, hbm: float) -> None:
 
 
 def _compiled_baseline(priced: list[Priced], topology: Topology, chosen: list[Priced], compile_one) -> Priced | None:
-    """The baseline, compiled: the least recomputation whose compiled step fits (full when none does)."""
+    """The baseline, compiled: the first of `_baseline_options` whose compiled step fits."""
     hbm = topology.device.hbm_bytes
     options = _baseline_options(priced, topology)
     for p in options:
@@ -224,17 +224,19 @@ def _shape(program: TrainProgram, work, batch: PricedBatch):
 
 
 def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:
-    """Pure FSDP over every device, one micro-batch, bf16: by recomputation, least first, those the
-    analytic memory lets fit first (none where, e.g., fewer rows than devices cannot split)."""
+    """Pure FSDP over every device in bf16, as it is commonly run: the least recomputation, then
+    the fewest micro-batches (gradient accumulation to fit), those the analytic memory lets fit
+    first (none where, e.g., fewer rows than devices cannot split)."""
     n, hbm = topology.num_devices, topology.device.hbm_bytes
-    options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp, p.candidate.micro_batches) ==
-               (1, 1, 1, 1) and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"]
-    options.sort(key=lambda p: (hbm > 0 and p.analytic.memory_bytes > hbm, REMATS.index(p.candidate.remat)))
+    options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp) == (1, 1, 1)
+               and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"]
+    options.sort(key=lambda p: (hbm > 0 and p.analytic.memory_bytes > hbm, REMATS.index(p.candidate.remat),
+                                p.candidate.micro_batches))
     return options
 
 
 def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
-    """The baseline priced analytically: the least recomputation that fits (full when none does)."""
+    """The baseline priced analytically: the first of `_baseline_options`."""
     options = _baseline_options(priced, topology)
     return options[0] if options else None
 
