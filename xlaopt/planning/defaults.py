@@ -122,11 +122,12 @@ def _splittable(config, batch: BatchShape, topology, attention: str) -> tuple[Ba
     rows, n = batch.batch_size, topology.num_devices
     if works(rows):
         return batch, ""
+    from xlaopt.planning.planner import nearest_working
+
     per_device = sorted({max(1, rows // n) * n, -(-rows // n) * n}, key=lambda r: (abs(r - rows), r))
-    nearest = [r for delta in range(1, 4 * rows) for r in (rows - delta, rows + delta) if r >= 1]
-    for candidate in per_device + nearest:
-        if works(candidate):
-            return (dataclasses.replace(batch, batch_size=candidate),
-                    f"the old global batch of {rows} rows splits over no layout of {n} devices; re-planned "
-                    f"for {candidate} rows ({candidate / n:g} per device)")
-    raise UserError(f"no global batch near {rows} rows splits over {n} devices")
+    candidate = next((r for r in per_device if works(r)), None) or nearest_working(rows, works)
+    if candidate is None:
+        raise UserError(f"no global batch near {rows} rows splits over {n} devices")
+    return (dataclasses.replace(batch, batch_size=candidate),
+            f"the old global batch of {rows} rows splits over no layout of {n} devices; re-planned "
+            f"for {candidate} rows ({candidate / n:g} per device)")

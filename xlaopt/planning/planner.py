@@ -262,7 +262,7 @@ def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBat
 def _no_split_message(program: TrainProgram, topology: Topology, rejected: list[Rejected]) -> str:
     b = program.settings.batch
     reasons = sorted({r.reason for r in rejected})
-    nearest = _nearest(b.batch_size, lambda rows: enumerate_space(
+    nearest = nearest_working(b.batch_size, lambda rows: enumerate_space(
         program.model, dataclasses.replace(b, batch_size=rows), topology.num_devices, topology.devices_per_node,
         program.execution.attention, ("bfloat16",))[0])
     return (f"no layout of {program.model.name} splits a global batch of {b.batch_size} rows of "
@@ -270,7 +270,8 @@ def _no_split_message(program: TrainProgram, topology: Topology, rejected: list[
             f"{'; '.join(reasons[:3])}; the nearest global batch that works is {nearest} rows")
 
 
-def _nearest(value: int, works) -> int | None:
+def nearest_working(value: int, works) -> int | None:
+    """The positive integer nearest `value` (below first at equal distance) for which `works` holds."""
     for delta in range(0, 4 * value + 1):
         for v in (value - delta, value + delta):
             if v >= 1 and works(v):
