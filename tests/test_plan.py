@@ -53,6 +53,31 @@ def test_cosmos3_analytic_shape_counts_the_model_flops():
     assert shape.layer_params == 2 * sum(shape.layer_matmuls())  # both towers' weights are gathered
 
 
+@pytest.mark.parametrize("model", ["llama-tiny", "cosmos3-tiny"])
+def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_recomputation(model):
+    """What the layer stack saves per token, traced from the jaxpr: the layer input alone under
+    `full`, exactly the matmul outputs the formula counts under `dots`, and without
+    recomputation at least 1.5x the formula (autodiff also keeps the fp32 norms and rotations and
+    every elementwise output), which is why the planner traces it rather than trusting the formula.
+    With cuDNN's fused attention, as the planner prices GPU steps (dense attention's `dots` also
+    keep the attention logits, which the formula leaves out)."""
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.planning.price import saved_per_token_layer
+    from xlaopt.planning.residuals import saved_bytes_per_token_layer
+    from xlaopt.planning.shapes import analytic_shape
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    config = get_config(model)
+    row = BatchShape(4, 32, 0) if config.family == "decoder" else BatchShape(4, 16, 48)
+    program = TrainProgram(config, settings=TrainSettings(batch=row), target="gpu",
+                           execution=ExecutionConfig(attention="cudnn", attention_max_segments=8))
+    traced = saved_bytes_per_token_layer(program, "bfloat16")
+    formula = saved_per_token_layer(analytic_shape(config, 1.0), tp=1, compute=2)
+    assert traced["full"] == formula["full"] == 2 * config.d_model
+    assert traced["dots"] == formula["dots"]
+    assert traced["none"] >= 1.5 * formula["none"]
+
+
 @needs_devices(8)
 def test_plan_ranks_compiles_writes_a_layout_that_trains_and_verifies(tmp_path, capsys):
     out, layout = tmp_path / "plan.json", tmp_path / "best.toml"

@@ -17,6 +17,7 @@ from xlaopt.errors import UserError
 from xlaopt.layout import Layout
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 from xlaopt.planning.price import AnalyticPrice, price
+from xlaopt.planning.residuals import saved_bytes_per_token_layer
 from xlaopt.planning.shapes import analytic_shape
 from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, enumerate_space
 from xlaopt.program import TrainProgram
@@ -107,13 +108,15 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     dense = program.execution.attention == "dense"
     hbm = topology.device.hbm_bytes
     eff = efficiency_for(topology)
-    priced = [Priced(c, price(c, shape, program.settings.batch, topology, program.target, dense, eff)) for c in space]
+    traced = {dt: saved_bytes_per_token_layer(program, dt) for dt in {c.compute_dtype for c in space}}
+    priced = [Priced(c, price(c, shape, program.settings.batch, topology, program.target, dense, eff,
+                              traced[c.compute_dtype])) for c in space]
     fits = [p for p in priced if hbm <= 0 or p.analytic.memory_bytes <= hbm]
     unfit = [p for p in priced if not (hbm <= 0 or p.analytic.memory_bytes <= hbm)]
     for p in unfit:
         p.reason = f"needs {p.analytic.memory_bytes / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} (analytic)"
     if not fits:
-        raise UserError(_no_fit_message(program, topology, unfit, shape, dense))
+        raise UserError(_no_fit_message(program, topology, unfit, shape, dense, traced.get("bfloat16")))
     fits.sort(key=_rank_key)
 
     method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
@@ -279,7 +282,8 @@ def nearest_working(value: int, works) -> int | None:
     return None
 
 
-def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Priced], shape, dense: bool) -> str:
+def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Priced], shape, dense: bool,
+                    traced: dict[str, float] | None) -> str:
     least = min(unfit, key=lambda p: p.analytic.memory_bytes)
     hbm = topology.device.hbm_bytes
     name = topology.name.split(":")[0]
@@ -294,7 +298,8 @@ def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Price
         b = dataclasses.replace(program.settings.batch, batch_size=rows_per_device * bigger.num_devices)
         space, _ = enumerate_space(program.model, b, bigger.num_devices, bigger.devices_per_node,
                                    program.execution.attention, ("bfloat16",))
-        if any(price(c, shape, b, bigger, program.target, dense, efficiency_for(bigger)).memory_bytes <= hbm for c in space):
+        if any(price(c, shape, b, bigger, program.target, dense, efficiency_for(bigger), traced).memory_bytes <= hbm
+               for c in space):
             smallest = bigger.name
     where = (f"the smallest {name} topology where a layout fits is {smallest} (at {rows_per_device} rows per "
              f"device)" if smallest else f"no {name} topology up to {nodes} nodes fits it")

@@ -14,8 +14,14 @@ Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
              whole when not FSDP-sharded (the cast copy of the whole model);
   saved      what each layer keeps for backward, per token: `remat=full` its input (d), `dots` the
              matmul outputs, `none` every activation, times the layers and the micro-batch's tokens;
-  working    one layer's full activations while it runs backward, plus the logits and their
-             gradient in fp32 (text tokens x vocab / tp), plus dense attention's fp32 logits.
+             traced from the program's jaxpr where the planner has it (`residuals`: without
+             recomputation autodiff keeps ~2x what the shape's formula counts), the formula
+             saying how tensor parallelism divides it;
+  working    one layer's activations while it runs backward (the formula's: recomputed or read
+             back, the elementwise work between its matmuls fused) and its MLP input gradients,
+             plus the logits in fp32 and their gradient (text tokens x vocab / tp; XLA computes
+             the fp32 gradient in the logits' place, and the head's matmuls read a compute-dtype
+             copy: 6 B a logit), plus dense attention's fp32 logits.
 """
 from __future__ import annotations
 
@@ -51,36 +57,53 @@ def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Layout:
 
 
 def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape, topology: Topology, target: str,
-          dense_attention: bool, eff: cm.Efficiency = cm.FITTED) -> AnalyticPrice:
+          dense_attention: bool, eff: cm.Efficiency = cm.FITTED, traced: dict[str, float] | None = None) -> AnalyticPrice:
     layout = analytic_layout(candidate, batch)
     breakdown = analytic.price_step(shape, layout, topology, software(candidate, target), eff)
-    parts = memory_parts(candidate, shape, batch, dense_attention)
+    parts = memory_parts(candidate, shape, batch, dense_attention, traced)
     return AnalyticPrice(breakdown.step_time_s, breakdown, sum(parts.values()), parts)
 
 
-def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, dense_attention: bool) -> dict:
-    """Bytes per device by part (see the module docstring)."""
+def saved_per_token_layer(shape: analytic.DecoderShape, tp: int, compute: int) -> dict[str, float]:
+    """Bytes one layer keeps per token for backward, by remat policy, from the shape: the
+    attention block (norm, q, k, v, attention out, o) and the MLP (norm, up (+gate),
+    activation, down) in the compute dtype; `dots` the matmul outputs; `full` the layer input."""
+    d, dh = shape.d_model, shape.head_dim
+    heads, kv, ffn = shape.heads / tp, shape.kv_heads / tp, shape.ffn / tp
+    mlp_matrices = 3 if shape.mlp == "swiglu" else 2
+    every = compute * (2 * d + heads * dh + 2 * kv * dh + heads * dh + d + mlp_matrices * ffn + ffn + d)
+    dots = compute * (heads * dh + 2 * kv * dh + d + (mlp_matrices - 1) * ffn + d)
+    return {"none": every, "dots": dots, "full": compute * d}
+
+
+def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, dense_attention: bool,
+                 traced: dict[str, float] | None = None) -> dict:
+    """Bytes per device by part (see the module docstring). `traced`: what the program's jaxpr
+    saves per token and layer by policy, unsharded (`residuals.saved_bytes_per_token_layer`);
+    the shape's formula then only says how tensor parallelism divides it."""
     compute = 4 if c.compute_dtype == "float32" else 2
     params = shape.params
     shards = c.fsdp * c.tp
-    d, dh = shape.d_model, shape.head_dim
-    heads, kv, ffn = shape.heads / c.tp, shape.kv_heads / c.tp, shape.ffn / c.tp
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
-    mlp_matrices = 3 if shape.mlp == "swiglu" else 2
-    # Per token and layer: the attention block (norm, q, k, v, attention out, o) and the MLP (norm,
-    # up (+gate), activation, down), in the compute dtype.
-    every = compute * (2 * d + heads * dh + 2 * kv * dh + heads * dh + d + mlp_matrices * ffn + ffn + d)
-    dots = compute * (heads * dh + 2 * kv * dh + d + (mlp_matrices - 1) * ffn + d)
-    saved_per_token = {"none": every, "dots": dots, "full": compute * d}[c.remat]
+    formula = saved_per_token_layer(shape, c.tp, compute)
+    saved = formula
+    if traced is not None:
+        whole = saved_per_token_layer(shape, 1, compute)
+        saved = {r: traced[r] * formula[r] / whole[r] for r in formula}
+    # While one layer runs backward: its activations as matmuls consume them (recomputed or
+    # saved, XLA fuses the elementwise work between) and the MLP input gradients beside them.
+    mlp_inputs = 2 if shape.mlp == "swiglu" else 1
+    layer_working = formula["none"] + compute * mlp_inputs * shape.ffn / c.tp
     logits_fraction = getattr(shape, "text_fraction", 1.0)
+    heads = shape.heads / c.tp
     attention_logits = 4.0 * rows * heads * (row_len / c.cp) * row_len if dense_attention else 0.0
     weights = 2 * compute * shape.layer_params / c.tp if c.fsdp > 1 else compute * params / c.tp
     return {
         "state": 12.0 * params / shards,
         "gradients": 4.0 * params / shards,
         "weights": float(weights),
-        "saved": saved_per_token * tokens * shape.layers,
-        "working": every * tokens + 8.0 * tokens * logits_fraction * shape.vocab / c.tp + attention_logits,
+        "saved": saved[c.remat] * tokens * shape.layers,
+        "working": layer_working * tokens + (4.0 + compute) * tokens * logits_fraction * shape.vocab / c.tp + attention_logits,
     }

@@ -1,0 +1,57 @@
+"""What each layer keeps for the backward pass, per token, as the program's own jaxpr says.
+
+The planner's memory formula (`price.memory_parts`) counts a layer's activations from the
+model's shape. That is exact where the recomputation policy keeps only matmul outputs or the
+layer input, but without recomputation JAX's autodiff keeps far more than the matmul outputs:
+RMSNorm's fp32 upcast and normalised value, the fp32 query and key norms and rotations, every
+elementwise output of the MLP (about 2x the formula on Cosmos 3, and XLA's compiled loop carries
+nearly all of it). So the planner traces the program's loss under each policy (the residuals
+of its vjp, as `jax.ad_checkpoint.print_saved_residuals` lists them; abstract shapes: nothing is
+compiled or allocated) and takes the bytes the layer stack saves per token, unsharded.
+
+Per token: the residuals of a two-row batch less those of a one-row batch (the weights' cast
+copies, which the stack also saves, are the same in both and cancel), over the row's tokens and
+the layers. A residual belongs to the stack when its leading dimension is the layer count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from xlaopt.mesh import MeshSpec
+from xlaopt.program import TrainProgram
+
+POLICIES = ("none", "dots", "full")
+
+
+@functools.lru_cache(maxsize=16)
+def _stack_bytes(program: TrainProgram, remat: str, rows: int) -> int:
+    from xlaopt import step
+    from xlaopt.families import family_of
+
+    b = dataclasses.replace(program.settings.batch, batch_size=rows)
+    p = program.replace(settings=dataclasses.replace(program.settings, batch=b),
+                        execution=dataclasses.replace(program.execution, remat=remat, micro_batches=1),
+                        shardings=None)
+    params, _ = step.abstract_params_with_axes(p)
+    model, loss_fn = step.make_model(p), family_of(p.model).loss
+    loss = lambda w, x: loss_fn(model, w, x, jax.random.key(0))[0]  # noqa: E731
+    # The residuals are the leaves of the vjp closure; those that are the inputs themselves are
+    # not saved activations.
+    closed = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(loss, w, x)[1]))(params, step.abstract_batch(p))
+    inputs = {id(v) for v in closed.jaxpr.invars}
+    saved = {id(v): v.aval for v in closed.jaxpr.outvars if id(v) not in inputs}  # each once
+    layers = p.model.num_layers
+    return sum(a.size * a.dtype.itemsize for a in saved.values() if a.ndim >= 3 and a.shape[0] == layers)
+
+
+def saved_bytes_per_token_layer(program: TrainProgram, compute_dtype: str) -> dict[str, float]:
+    """{remat policy: bytes one layer saves per token of a row, unsharded}, in `compute_dtype`;
+    cached per (model, row shape, execution)."""
+    base = program.replace(mesh=MeshSpec(), shardings=None,
+                           execution=dataclasses.replace(program.execution, compute_dtype=compute_dtype))
+    b = base.settings.batch
+    per_row = lambda remat: _stack_bytes(base, remat, 2) - _stack_bytes(base, remat, 1)  # noqa: E731
+    return {r: per_row(r) / ((b.text_len + b.gen_len) * base.model.num_layers) for r in POLICIES}
