@@ -42,6 +42,12 @@ def test_analyze_tiny_on_h100(tiny_fsdp2, tmp_path):
     assert mem["arguments"] > 0 and mem["peak_estimate"] >= mem["arguments"] and result["fits_hbm"]
     kinds = {c["kind"] for c in result["collectives"]}
     assert "all-gather" in kinds and all(c["link_level"] == "nvlink4" for c in result["collectives"])
+    # Gradient sync: the reductions over fsdp (FSDP's gradient reduce-scatters, the loss's mean),
+    # not the parameter gathers; all exposed on the CPU schedule.
+    grad_sync = [c for c in result["collectives"] if c["kind"] in ("reduce-scatter", "all-reduce")]
+    assert grad_sync and result["grad_sync_s"] == pytest.approx(sum(c["time_s"] for c in grad_sync), rel=1e-9)
+    assert 0 < result["exposed_grad_sync_s"] == pytest.approx(result["grad_sync_s"], rel=1e-9)
+    assert result["exposed_grad_sync_s"] < result["exposed_comm_s"]  # the gathers are not gradient sync
     # the step's matmul FLOPs (with recomputation) are at least the model's FLOPs
     assert result["hlo_matmul_flops_per_step"] >= result["model_flops_per_step"] * 0.9
     events = json.loads(trace.read_text())["traceEvents"]

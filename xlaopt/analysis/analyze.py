@@ -161,6 +161,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "mfu": mfu(model_flops, sim.step_time_s, topology, n, dtype),
         "exposed_comm_s": sim.exposed_comm_s,
         "exposed_comm_by_axis_s": sim.exposed_by_axis,
+        "exposed_grad_sync_s": sum(c["exposed_s"] for c in collectives if is_grad_sync(c)),
+        "grad_sync_s": sum(c["time_s"] for c in collectives if is_grad_sync(c)),
         "comm_by_axis": sim.comm_by_axis,
         "compute_s": sim.compute_s,
         "comm_s": sim.comm_s,
@@ -181,6 +183,18 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "notes": notes,
     }
     return result, sim
+
+
+GRAD_SYNC_KINDS = ("all-reduce", "reduce-scatter")
+BATCH_AXES = frozenset({"data", "fsdp"})
+
+
+def is_grad_sync(collective: dict) -> bool:
+    """A collective that synchronises gradients: a reduction over the axes that split the batch
+    (data, fsdp) and nothing else. Tensor and context reductions are of activations; the loss's
+    scalar mean over the batch counts too, at a few bytes."""
+    axes = set(collective["mesh_axes"].split(","))
+    return collective["kind"] in GRAD_SYNC_KINDS and bool(axes) and axes <= BATCH_AXES
 
 
 def _mean_device_flops(text: str, work) -> float:
@@ -207,7 +221,8 @@ def format_analysis(result: dict) -> str:
         f"({result['device']}), target {result['target']}; batch {b['batch_size']} x "
         f"({b['text_len']} text + {b['gen_len']} gen) tokens, {result['compute_dtype']}",
         f"step time {ms(result['step_time_s'])}   MFU {result['mfu'] * 100:.2f}%   "
-        f"compute {ms(result['compute_s'])}   comm {ms(result['comm_s'])}   exposed comm {ms(result['exposed_comm_s'])}",
+        f"compute {ms(result['compute_s'])}   comm {ms(result['comm_s'])}   exposed comm {ms(result['exposed_comm_s'])}"
+        f"   exposed grad sync {ms(result['exposed_grad_sync_s'])}",
         f"compute stream idle {result['compute_idle_fraction'] * 100:.1f}%   comm stream idle "
         f"{result['comm_idle_fraction'] * 100:.1f}%   bounds: serial {ms(result['bounds']['serial_s'])}, "
         f"perfect overlap {ms(result['bounds']['perfect_overlap_s'])}",
