@@ -398,9 +398,9 @@ def _apply_pipeline(args, program, dump_dir, topology=None):
     from xlaopt.pipeline import parse_pass_options, pipeline, run_pipeline, select_passes
 
     names = lambda text: [n.strip() for n in text.split(",") if n.strip()]
-    passes = select_passes(pipeline(parse_pass_options(args.pass_option)),
-                           names(args.passes) if args.passes is not None else None, names(args.disable))
-    program, records = run_pipeline(program, passes, dump_dir, PassContext.for_program(program, topology))
+    only = names(args.passes) if args.passes is not None else None
+    passes = select_passes(pipeline(parse_pass_options(args.pass_option)), only, names(args.disable))
+    program, records = run_pipeline(program, passes, dump_dir, PassContext.for_program(program, topology, only or ()))
     return program, [{"name": r.name, "changed": r.changed, "report": r.report, "dumped": list(r.dumped)}
                      for r in records]
 

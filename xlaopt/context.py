@@ -50,10 +50,12 @@ class PassContext:
     target: str = "cpu"
     topology: Any = None  # a cluster topology (xlaopt.analysis.topology.Topology), when one is known
     cache: ProgramCache = dataclasses.field(default_factory=ProgramCache, compare=False)
+    # Passes asked for by name (`--passes`): one that does not fit the program is an error, not skipped.
+    requested: frozenset[str] = frozenset()
 
     @classmethod
-    def for_program(cls, program: TrainProgram, topology: Any = None) -> "PassContext":
-        return cls(program.target, topology)
+    def for_program(cls, program: TrainProgram, topology: Any = None, requested=()) -> "PassContext":
+        return cls(program.target, topology, requested=frozenset(requested))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,8 @@ class PassResult:
 
 
 class Pass(Protocol):
+    """Optionally also `why_not(program, ctx) -> str | None`: why the pass does not fit this
+    program or target (the pipeline skips it, or refuses it when asked for by name)."""
     name: str
     summary: str
 

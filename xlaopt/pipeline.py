@@ -34,11 +34,12 @@ class PassRecord:
 
 
 def pass_classes() -> tuple[type, ...]:
-    """The one ordered pipeline: the layout is chosen, then applied. Later passes (overlap) go here."""
+    """The one ordered pipeline: the layout is chosen, then applied, then overlapped."""
     from xlaopt.passes.layout_plan import LayoutPlan
     from xlaopt.passes.mesh_layout import MeshLayout
+    from xlaopt.passes.overlap_flags import OverlapFlags
 
-    return (LayoutPlan, MeshLayout)
+    return (LayoutPlan, MeshLayout, OverlapFlags)
 
 
 def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pass, ...]:
@@ -96,6 +97,13 @@ def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | 
         if not _KEBAB.match(p.name):
             raise PipelineError(f"pass name {p.name!r} is not kebab-case")
         ran = ", ".join(r.name for r in records) or "none"
+        why_not = getattr(p, "why_not", None)
+        reason = why_not(program, ctx) if why_not is not None else None
+        if reason:  # the pass does not fit this program or target
+            if p.name in ctx.requested:
+                raise UserError(f"{p.name}: {reason}")
+            records.append(PassRecord(p.name, False, {"skipped": reason}))
+            continue
         try:
             result = p.run(program, ctx)
         except UserError as e:

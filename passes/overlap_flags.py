@@ -1,0 +1,79 @@
+"""overlap-flags: XLA's own GPU overlap machinery switched on by compiler options, MaxText's way.
+
+"Flags only" as a pass, so it can be compared with the structural overlap passes and combined
+with them. On the GPU target it sets:
+  xla_gpu_enable_latency_hiding_scheduler        schedule async collectives early, done late;
+  xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}
+                                                 the collective pipeliner: move a loop's per-layer
+                                                 collectives into the previous / next iteration;
+  xla_gpu_enable_while_loop_double_buffering     unroll the layer loop by two so they can;
+  xla_gpu_enable_highest_priority_async_stream   collectives on a high-priority stream;
+  xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes
+                                                 sized from the topology (below).
+Checked on jax 0.10.2 in the compiler's own pass dumps (tests/test_overlap_flags.py): without
+these options the collective pipeliner and the loop double-buffer transformer change nothing;
+with them both rewrite the step (the pipeliner is linked into these wheels, whatever reports
+against 0.10.x said). Windowed einsum is left out: it is tensor parallel's, and multi-stream
+windowed einsum fails the HLO verifier for large shards on 0.10.2 (jax#39200).
+
+Combine threshold: combined collectives should be large enough that the per-step latency of
+the slowest ring is a tenth of its transfer time or less: 10 x (ranks - 1) x latency x
+bandwidth, for a ring over the nodes on the network level (or over one node's devices on NVLink
+when there is one node). Without a topology XLA's defaults stay.
+
+Options the program already holds (`--xla-option`) are the user's and win; the report lists
+what was set and what was left.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.context import PassContext, PassResult
+from xlaopt.program import TrainProgram
+
+_SCHEDULING = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_enable_highest_priority_async_stream")
+_PIPELINED = tuple(f"xla_gpu_enable_pipelined_{kind}" for kind in ("all_gather", "reduce_scatter", "all_reduce"))
+_DOUBLE_BUFFERING = "xla_gpu_enable_while_loop_double_buffering"
+_COMBINE = tuple(f"xla_gpu_{kind}_combine_threshold_bytes" for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+LATENCY_SHARE = 0.1  # of a combined collective's transfer time, at most
+
+
+def combine_threshold_bytes(topology) -> int:
+    """Bytes at which the slowest ring's latency is `LATENCY_SHARE` of its transfer time."""
+    level = topology.levels[-1] if topology.nodes > 1 else topology.levels[0]
+    ranks = topology.nodes if topology.nodes > 1 else topology.devices_per_node
+    return int(max(ranks - 1, 1) * level.latency_s * level.bytes_per_s / LATENCY_SHARE)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapFlags:
+    name: str = "overlap-flags"
+    summary: str = ("XLA GPU overlap flags, MaxText's way: latency-hiding scheduler, pipelined collectives, "
+                    "loop double buffering, combine thresholds sized from the topology (gpu target)")
+    pipelined_collectives: bool = True
+    double_buffering: bool = True
+    combine_threshold_bytes: int = 0  # 0: sized from the topology (XLA's default without one)
+
+    def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
+        if ctx.target != "gpu":
+            return f"sets XLA GPU compiler flags; this program compiles for the {ctx.target} target (use --target gpu)"
+        return None
+
+    def options(self, ctx: PassContext) -> dict:
+        opts = dict.fromkeys(_SCHEDULING, True)
+        if self.pipelined_collectives:
+            opts.update(dict.fromkeys(_PIPELINED, True))
+        if self.double_buffering:
+            opts[_DOUBLE_BUFFERING] = True
+        threshold = self.combine_threshold_bytes or (combine_threshold_bytes(ctx.topology) if ctx.topology else 0)
+        if threshold:
+            opts.update(dict.fromkeys(_COMBINE, threshold))
+        return opts
+
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
+        wanted = self.options(ctx)
+        held = program.compiler_options
+        set_now = {k: v for k, v in wanted.items() if k not in held}
+        new = program.replace(compiler_options=held.merged(set_now))
+        return PassResult(new, new != program, {"set": set_now,
+                                                "left_to_the_user": {k: held[k] for k in wanted if k in held}})
