@@ -9,9 +9,10 @@ nearly all of it). So the planner traces the program's loss under each policy (t
 of its vjp, as `jax.ad_checkpoint.print_saved_residuals` lists them; abstract shapes: nothing is
 compiled or allocated) and takes the bytes the layer stack saves per token, unsharded.
 
-Per token: the residuals of a two-row batch less those of a one-row batch (the weights' cast
+Per token: the residuals of a batch one row longer less those of the batch (the weights' cast
 copies, which the stack also saves, are the same in both and cancel), over the row's tokens and
-the layers. A residual belongs to the stack when its leading dimension is the layer count.
+the layers. A residual belongs to the stack when its leading dimension is the layer count; the
+two batches are longer than that, so no batch dimension passes for it.
 """
 from __future__ import annotations
 
@@ -52,6 +53,6 @@ def saved_bytes_per_token_layer(program: TrainProgram, compute_dtype: str) -> di
     cached per (model, row shape, execution)."""
     base = program.replace(mesh=MeshSpec(), shardings=None,
                            execution=dataclasses.replace(program.execution, compute_dtype=compute_dtype))
-    b = base.settings.batch
-    per_row = lambda remat: _stack_bytes(base, remat, 2) - _stack_bytes(base, remat, 1)  # noqa: E731
+    b, rows = base.settings.batch, base.model.num_layers + 1
+    per_row = lambda remat: _stack_bytes(base, remat, rows + 1) - _stack_bytes(base, remat, rows)  # noqa: E731
     return {r: per_row(r) / ((b.text_len + b.gen_len) * base.model.num_layers) for r in POLICIES}
