@@ -13,6 +13,7 @@ Logical axis names (mapped to mesh axes by the one rule table in `xlaopt.shardin
 from __future__ import annotations
 
 import contextvars
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -86,8 +87,26 @@ def embedding_lookup(table_XD: jax.Array, ids, row_axis: str) -> jax.Array:
     """Rows of a table; the table is first made whole along embed (as FSDP gathers any
     weight before use) so the output can take the batch sharding without the partitioner
     falling back to a full rematerialisation."""
-    table_XD = constrain(table_XD, (row_axis, "act_embed"))
-    return jnp.take(table_XD, ids, axis=0)
+    return jnp.take(_whole_along_embed(table_XD, row_axis), ids, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _whole_along_embed(table_XD: jax.Array, row_axis: str) -> jax.Array:
+    return constrain(table_XD, (row_axis, "act_embed"))
+
+
+def _whole_along_embed_fwd(table_XD, row_axis):
+    return _whole_along_embed(table_XD, row_axis), None
+
+
+def _whole_along_embed_bwd(row_axis, _, grad_XD):
+    # The gradient goes straight to the parameter's own sharding, as FSDP reduce-scatters any
+    # weight's: transposing the forward constraint would first make the whole table's gradient
+    # replicated, one all-reduce over every device (across the network, under HSDP).
+    return (constrain(grad_XD, (row_axis, "embed")),)
+
+
+_whole_along_embed.defvjp(_whole_along_embed_fwd, _whole_along_embed_bwd)
 
 
 def next_token_loss(logits_BTE: jax.Array, tokens_BT: jax.Array, seg_BT: jax.Array) -> jax.Array:
