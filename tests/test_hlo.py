@@ -166,8 +166,16 @@ def test_fsdp_gathers_each_layer_twice_and_reduces_gradients_once(tiny_config):
     # Weights outside the scan are gathered once or twice (XLA keeps some gathered copies alive).
     outside = _array_bytes([c for c in gathers if c.executions == 1])
     assert other_bytes <= outside <= 2 * other_bytes
-    # The gradient reduction (on CPU an all-reduce plus a slice stands in for reduce-scatter).
-    assert _array_bytes([c for c in colls if c.kind in ("all-reduce", "reduce-scatter")]) == _param_bytes(program)
+    # The gradient reduction (on CPU an all-reduce plus a slice stands in for reduce-scatter), of
+    # every parameter but the token embedding table: its gradient is scattered into each
+    # device's shard of the table from the looked-up rows' gradients (`models/layers.py`), no
+    # table-sized reduction.
+    table = lambda path, spec: "'embed_ED'" in path
+    assert _param_bytes(program, table) == 4 * tiny_config.vocab_size * tiny_config.d_model
+    assert (_array_bytes([c for c in colls if c.kind in ("all-reduce", "reduce-scatter")])
+            == _param_bytes(program) - _param_bytes(program, table))
+    shard = f"f32[{tiny_config.vocab_size},{tiny_config.d_model // 8}]"
+    assert any(f"= {shard}" in line and " scatter(" in line for line in text.splitlines())
 
 
 @needs_devices(8)

@@ -59,8 +59,8 @@ def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_rec
     `full`, exactly the matmul outputs the formula counts under `dots`, and without
     recomputation at least 1.5x the formula (autodiff also keeps the fp32 norms and rotations and
     every elementwise output), which is why the planner traces it rather than trusting the formula.
-    With cuDNN's fused attention, as the planner prices GPU steps (dense attention's `dots` also
-    keep the attention logits, which the formula leaves out)."""
+    With segment-aware attention, whose flash recurrence keeps no logits (dense attention's
+    `dots` also keep the attention logits, which the formula leaves out)."""
     from xlaopt.execution import ExecutionConfig
     from xlaopt.planning.price import saved_per_token_layer
     from xlaopt.planning.residuals import saved_bytes_per_token_layer
@@ -69,8 +69,7 @@ def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_rec
 
     config = get_config(model)
     row = BatchShape(4, 32, 0) if config.family == "decoder" else BatchShape(4, 16, 48)
-    program = TrainProgram(config, settings=TrainSettings(batch=row), target="gpu",
-                           execution=ExecutionConfig(attention="cudnn", attention_max_segments=8))
+    program = TrainProgram(config, settings=TrainSettings(batch=row), execution=ExecutionConfig(attention="segment"))
     traced = saved_bytes_per_token_layer(program, "bfloat16")
     formula = saved_per_token_layer(analytic_shape(config, 1.0), tp=1, compute=2)
     assert traced["full"] == formula["full"] == 2 * config.d_model

@@ -56,6 +56,7 @@ class Plan:
     baseline: Priced | None  # None where pure FSDP cannot split the batch
     model_flops: float
     seconds: float
+    memory_model: str = "traced"  # what the layers save for backward: traced from the program, or the formula (why)
 
     @property
     def best(self) -> Priced:
@@ -108,7 +109,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     dense = program.execution.attention == "dense"
     hbm = topology.device.hbm_bytes
     eff = efficiency_for(topology)
-    traced = {dt: saved_bytes_per_token_layer(program, dt) for dt in {c.compute_dtype for c in space}}
+    traced, memory_model = _traced_residuals(program, {c.compute_dtype for c in space})
     priced = [Priced(c, price(c, shape, program.settings.batch, topology, program.target, dense, eff,
                               traced[c.compute_dtype])) for c in space]
     fits = [p for p in priced if hbm <= 0 or p.analytic.memory_bytes <= hbm]
@@ -147,7 +148,16 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
             p.reason = f"{p.analytic.step_time_s / best.analytic.step_time_s:.3f}x the best's analytic step time"
     best.reason = "best"
     return Plan(program, topology, method, fits, unfit, rejected, baseline, work.model_flops,
-                time.perf_counter() - t0)
+                time.perf_counter() - t0, memory_model)
+
+
+def _traced_residuals(program: TrainProgram, dtypes) -> tuple[dict, str]:
+    """What each layer saves per token by compute dtype, traced from the program; where it cannot
+    be traced here (cuDNN attention without JAX's CUDA plugin) the shape's formula, and why."""
+    try:
+        return {dt: saved_bytes_per_token_layer(program, dt) for dt in dtypes}, "traced"
+    except UserError as e:
+        return dict.fromkeys(dtypes), f"formula: the program cannot be traced here ({e})"
 
 
 def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, compile_one) -> list[Priced]:

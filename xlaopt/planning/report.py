@@ -39,6 +39,7 @@ def plan_json(plan: Plan) -> dict:
         "counts": {"space": len(plan.ranked) + len(plan.unfit) + len(plan.rejected), "fit": len(plan.ranked),
                    "unfit": len(plan.unfit), "rejected": len(plan.rejected),
                    "compiled": sum(p.compiled is not None for p in plan.ranked + plan.unfit)},
+        "memory_model": plan.memory_model,
         "seconds": plan.seconds,
     }
 
