@@ -4,7 +4,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from xlaopt.models.layers import Mlp, RMSNorm, constrain, param
+from xlaopt.models.layers import Mlp, RMSNorm, constrain, param, reduce_matmul
 from xlaopt.models.mrope import apply_rope
 
 
@@ -56,7 +56,7 @@ class TransformerBlock(nn.Module):
 
     def finish(self, x_BLD, attn_BLHK):
         """Output projection and MLP, each with its residual."""
-        x_BLD = x_BLD + jnp.einsum("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype))
+        x_BLD = x_BLD + reduce_matmul("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype), 2, 0)
         x_BLD = constrain(x_BLD, ("batch", "seq", "act_embed"))
         x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
         return constrain(x_BLD, ("batch", "seq", "act_embed"))

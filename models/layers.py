@@ -72,6 +72,67 @@ class rows_split_over:
         _BATCH_MESH_AXES.reset(self._token)
 
 
+# The mesh axes a gradient rewrite has made manual (a shard_map over them wraps the whole loss):
+# each device then sees only its own rows, so a token mean's count is summed over these axes
+# (each device's share of the loss is its own tokens' sum over the global count, and the shares
+# add up to the one-device loss), and activation constraints must not name them.
+_MANUAL_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("xlaopt_manual_axes", default=())
+
+
+def manual_axes() -> tuple[str, ...]:
+    return _MANUAL_AXES.get()
+
+
+class manual_over:
+    """Context manager naming the mesh axes a shard_map around the loss has made manual."""
+
+    def __init__(self, axes: tuple[str, ...]):
+        self._axes = tuple(axes)
+
+    def __enter__(self):
+        self._token = _MANUAL_AXES.set(self._axes)
+
+    def __exit__(self, *exc):
+        _MANUAL_AXES.reset(self._token)
+
+
+def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """The mean of `values` where `mask` holds, over the whole batch: under manual axes
+    (`manual_over`) this device's masked sum over the count of every device's tokens, the share
+    of the mean that, summed over the devices, is the mean."""
+    count = jnp.sum(mask)
+    if manual_axes():
+        count = jax.lax.psum(count, manual_axes())
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1)
+
+
+# How a matmul that contracts over a dimension tensor parallelism splits runs: by default one
+# einsum, whose partial sums XLA then all-reduces; a rewrite may install its own (a ring that
+# overlaps the reduction with the matmul, `xlaopt.transforms.ring_matmul`).
+_REDUCE_MATMUL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_reduce_matmul",
+                                                                                default=None)
+
+
+class reduce_matmul_through:
+    """Context manager installing `impl(equation, x, w, x_split, w_split)` for `reduce_matmul`."""
+
+    def __init__(self, impl: Callable):
+        self._impl = impl
+
+    def __enter__(self):
+        self._token = _REDUCE_MATMUL.set(self._impl)
+
+    def __exit__(self, *exc):
+        _REDUCE_MATMUL.reset(self._token)
+
+
+def reduce_matmul(equation: str, x: jax.Array, w: jax.Array, x_split: int, w_split: int) -> jax.Array:
+    """`einsum(equation, x, w)` for the output projections ("bl...,...->bld"), contracting x's
+    dimension `x_split` with w's `w_split`: the dimensions tensor parallelism splits."""
+    impl = _REDUCE_MATMUL.get()
+    return jnp.einsum(equation, x, w) if impl is None else impl(equation, x, w, x_split, w_split)
+
+
 def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
           init: Callable | None = None, fan_in_axes: Sequence[int] = (0,),
           batch_axes: Sequence[int] = ()) -> jax.Array:
@@ -115,7 +176,7 @@ def next_token_loss(logits_BTE: jax.Array, tokens_BT: jax.Array, seg_BT: jax.Arr
     has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
     targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
     nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) / jnp.maximum(jnp.sum(has_next_BT), 1)
+    return token_mean(nll_BT, has_next_BT)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -156,4 +217,4 @@ class Mlp(nn.Module):
         else:  # gelu (GPT, MPT)
             h_BLF = nn.gelu(up_BLF)
         h_BLF = constrain(h_BLF, ("batch", "seq", "act_mlp"))
-        return jnp.einsum("blf,fd->bld", h_BLF, down_FD)
+        return reduce_matmul("blf,fd->bld", h_BLF, down_FD, 2, 0)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import next_token_loss
+from xlaopt.models.layers import next_token_loss, token_mean
 
 
 def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -19,15 +19,21 @@ def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Arr
     return x_t_BVC, noise_BVC - x0_BVC
 
 
-def _masked_mean(values, mask):
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+# The step's random draws, made from the whole (micro-)batch before any rewrite splits it over
+# devices by hand: each device then holds its slice of exactly the draws one device would make.
+DRAW_AXES = (("gen_noise_BVC", ("batch", "seq", None)),)
+
+
+def draws(batch: dict, key: jax.Array) -> dict:
+    """The flow noise, one normal draw per generator channel, from `key`."""
+    return {"gen_noise_BVC": jax.random.normal(key, batch["gen_x0_BVC"].shape, jnp.float32)}
 
 
 def loss_fn(model: Cosmos3, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
-    """Total loss and per-modality terms; the flow noise is drawn from `key`."""
+    """Total loss and per-modality terms; the batch holds its draws (`draws`)."""
+    del key  # drawn from already
     c: Cosmos3Config = model.config
-    noise_BVC = jax.random.normal(key, batch["gen_x0_BVC"].shape, jnp.float32)
-    x_t_BVC, target_BVC = noised_inputs(batch, noise_BVC)
+    x_t_BVC, target_BVC = noised_inputs(batch, batch["gen_noise_BVC"])
     logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
 
     losses = {"text": next_token_loss(logits_BTE, batch["text_tokens_BT"], batch["text_segment_ids_BT"])}
@@ -38,7 +44,7 @@ def loss_fn(model: Cosmos3, params, batch: dict, key: jax.Array) -> tuple[jax.Ar
     for modality, dim in channel_dims.items():
         token_mask_BV1 = (batch["gen_noisy_BV"] & (batch["gen_modality_BV"] == modality))[..., None]
         mask_BVC = token_mask_BV1 & (jnp.arange(C) < dim)
-        losses[MODALITY_NAMES[modality]] = _masked_mean(sq_err_BVC, mask_BVC)
+        losses[MODALITY_NAMES[modality]] = token_mean(sq_err_BVC, mask_BVC)
 
     weights = {"text": c.text_loss_weight, "video": c.video_loss_weight,
                "action": c.action_loss_weight, "sound": c.sound_loss_weight}

@@ -9,11 +9,16 @@ carry` with the stacked parameters. A strategy is a plain function registered by
   scan      one `lax.scan` over the stacked parameters: compile time independent of depth;
   unrolled  one call per layer, so XLA schedules each layer on its own (and a pass can see
             layer i's weights apart from layer i+1's).
+A gradient rewrite may hook each layer's parameters as the layer reads them
+(`layer_params_through`): a hook `(params_i, path) -> params_i` that is the identity forward and
+acts on the layer's parameter gradients in its backward, so whatever it does runs inside the
+backward loop right after that layer's backward (`path`: the stack's parameter path).
 A recomputation policy (`REMAT_POLICIES`) wraps `layer_fn` in `jax.checkpoint`; each name maps
 to one `jax.checkpoint_policies` entry here and nowhere else.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable
 
@@ -31,6 +36,23 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 LayerFn = Callable[..., Any]  # (params_i, carry, *args) -> carry
+
+_PARAMS_HOOK: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_layer_params_hook",
+                                                                               default=None)
+
+
+class layer_params_through:
+    """Context manager installing `hook(params_i, path) -> params_i` on every stacked layer's
+    parameters while a model is traced (see the module docstring)."""
+
+    def __init__(self, hook: Callable):
+        self._hook = hook
+
+    def __enter__(self):
+        self._token = _PARAMS_HOOK.set(self._hook)
+
+    def __exit__(self, *exc):
+        _PARAMS_HOOK.reset(self._token)
 
 
 def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
@@ -94,7 +116,11 @@ class LayerStack(nn.Module):
                 self.param(name, lambda _, tree=subtree: tree)
         params_L = nn.meta.unbox(dict(self.variables["params"]))
 
+        hook, path = _PARAMS_HOOK.get(), tuple(self.scope.path)
+
         def layer_fn(params_i, c, *a):
+            if hook is not None:
+                params_i = hook(params_i, path)
             return layer.apply({"params": params_i}, c, *a)
 
         return STRATEGIES[self.spec.strategy](self.spec.wrap(layer_fn), params_L, carry, args)

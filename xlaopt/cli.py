@@ -93,6 +93,10 @@ def _apply_global_batch(args, config) -> None:
     args.text_len, args.gen_len = split_budget(args.seq, text, gen)
 
 
+_CLUSTER_HELP = ("the cluster the mesh is laid on, e.g. cpu:2x4 or a TOML/JSON file: passes that act on its nodes "
+                 "(hierarchical-grads) use them; default: in a multi-process job each process's devices are a node")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlaopt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and --process-id). Each process brings mesh devices / N devices and reads its own rows")
     p.add_argument("--num-processes", type=int, default=None, metavar="N")
     p.add_argument("--process-id", type=int, default=None, metavar="I")
+    p.add_argument("--topology", default=None, help=_CLUSTER_HELP)
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
+    p.add_argument("--topology", default=None, help=_CLUSTER_HELP)
     p = sub.add_parser("inspect", help="compile one step and list its collectives and memory (nothing runs)")
     _program_args(p, "bfloat16")
     p.add_argument("--topology", default=None, help="map collectives to link levels, e.g. h100:2x4 or a TOML/JSON file")
@@ -426,7 +432,7 @@ def cmd_train(args) -> int:
         ckpt = CheckpointOptions(args.ckpt, args.ckpt_every, args.resume, args.keep, args.keep_every)
     elif args.resume or args.ckpt_every is not None:
         raise UserError("--resume and --ckpt-every need --ckpt DIR")
-    program, passes = _apply_pipeline(args, program, args.dump_hlo)
+    program, passes = _apply_pipeline(args, program, args.dump_hlo, _cluster(args, program))
     import jax
 
     lead = jax.process_index() == 0  # in a multi-process job, one process reports
@@ -444,8 +450,9 @@ def cmd_verify(args) -> int:
     from xlaopt.runtime.verify import compare, one_step_grads, reference_program
 
     mesh = program.mesh
-    sharded, passes = _apply_pipeline(args, program, args.dump_hlo)
-    single, _ = _apply_pipeline(args, reference_program(program), None)
+    topology = _cluster(args, program)
+    sharded, passes = _apply_pipeline(args, program, args.dump_hlo, topology)
+    single, _ = _apply_pipeline(args, reference_program(program), None, topology)
     dtype, reference_dtype = program.execution.compute_dtype, single.execution.compute_dtype
     result = compare(one_step_grads(sharded), one_step_grads(single), dtype)
     result.update(model=args.model, mesh=mesh.as_dict(), dtype=dtype, reference_dtype=reference_dtype,
@@ -458,16 +465,22 @@ def cmd_verify(args) -> int:
     return 0 if result["ok"] else 1
 
 
-def cmd_inspect(args) -> int:
-    topology = None
-    if args.topology:
-        from xlaopt.analysis.topology import parse_topology
+def _cluster(args, program):
+    """The optional --topology, checked against the program's mesh."""
+    if not args.topology:
+        return None
+    from xlaopt.analysis.topology import parse_topology
 
-        topology = parse_topology(args.topology)
-    program = _program_on_devices(args)
-    if topology is not None and program.mesh.num_devices > topology.num_devices:
+    topology = parse_topology(args.topology)
+    if program.mesh.num_devices > topology.num_devices:
         raise UserError(f"mesh {program.mesh} needs {program.mesh.num_devices} devices; topology "
                         f"{topology.name} has {topology.num_devices}")
+    return topology
+
+
+def cmd_inspect(args) -> int:
+    program = _program_on_devices(args)
+    topology = _cluster(args, program)
     from xlaopt.analysis.inspection import format_report, inspect_program
 
     program, passes = _apply_pipeline(args, program, args.dump_hlo, topology)

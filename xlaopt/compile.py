@@ -25,9 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlaopt import loss_scale
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
-from xlaopt.mesh import make_mesh
+from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
 from xlaopt.models.cudnn_attention import check_rows
-from xlaopt.models.layers import activation_constraint, rows_split_over
+from xlaopt.models.layers import activation_constraint, manual_axes, rows_split_over
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import logical_to_spec, mesh_axes_of
 from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn
@@ -182,6 +182,12 @@ def _tracing_context(program: TrainProgram, mesh):
         stack.enter_context(jax.set_mesh(mesh))
         if program.shardings is not None and program.shardings.constrain_activations:
             def constrain(x, axes):
+                manual = manual_axes()
+                if manual:  # inside a shard_map over them: x is this device's part, on the other axes
+                    sizes = tuple(1 if a in manual else program.mesh.size(a) for a in MESH_AXES)
+                    spec = logical_to_spec(axes, x.shape, program.rules, MeshSpec(sizes, program.mesh.order),
+                                           f"activation {axes}")
+                    return jax.lax.with_sharding_constraint(x, spec)
                 spec = logical_to_spec(axes, x.shape, program.rules, program.mesh, f"activation {axes}")
                 return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -23,12 +23,19 @@ class Family:
     name: str
     module: Callable  # (config, ExecutionConfig) -> flax module
     batch_spec: Callable  # (config, BatchShape) -> {name: (shape, dtype, logical axes)}
-    loss: Callable  # (module, params, batch, key) -> (loss, metrics)
+    loss: Callable  # (module, params, batch with its draws, key) -> (loss, metrics)
     train_flops: Callable  # (config, host batch) -> model FLOPs of one training step
     synthetic: Callable  # (config, BatchShape, seed) -> producer with .batch(i)
     segment_keys: tuple[str, ...]  # batch arrays whose nonzero entries are real tokens
     attention_calls: Callable  # host batch -> ((query Tokens, key Tokens), ...) of one layer's attentions
     default_batch: BatchShape
+    # The step's random draws from a (micro-)batch and key, {name: array}, added to the batch
+    # before the loss sees it; their logical axes as (name, axes) pairs.
+    draws: Callable = lambda batch, key: {}
+    draw_axes: tuple[tuple[str, tuple], ...] = ()
+
+    def with_draws(self, batch: dict, key) -> dict:
+        return {**batch, **self.draws(batch, key)}
 
     def real_tokens(self, batch: dict[str, np.ndarray]) -> int:
         return int(sum((batch[k] > 0).sum() for k in self.segment_keys))
@@ -48,7 +55,7 @@ def _module(cls):
 FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
-                      BatchShape(8, 56, 104)),
+                      BatchShape(8, 56, 104), objective.draws, objective.DRAW_AXES),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), decoder.attention_calls, BatchShape(8, 128, 0)),
 }

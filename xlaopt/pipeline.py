@@ -34,12 +34,15 @@ class PassRecord:
 
 
 def pass_classes() -> tuple[type, ...]:
-    """The one ordered pipeline: the layout is chosen, then applied, then overlapped."""
+    """The one ordered pipeline: the layout is chosen, then applied, then its communication
+    restructured and overlapped."""
+    from xlaopt.passes.collective_matmul import CollectiveMatmul
+    from xlaopt.passes.hierarchical_grads import HierarchicalGrads
     from xlaopt.passes.layout_plan import LayoutPlan
     from xlaopt.passes.mesh_layout import MeshLayout
     from xlaopt.passes.overlap_flags import OverlapFlags
 
-    return (LayoutPlan, MeshLayout, OverlapFlags)
+    return (LayoutPlan, MeshLayout, HierarchicalGrads, CollectiveMatmul, OverlapFlags)
 
 
 def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pass, ...]:

@@ -57,7 +57,7 @@ def abstract_batch(program: TrainProgram) -> dict:
 
 
 def base_grad_fn(program: TrainProgram, scale=None):
-    """(params, batch, key) -> (loss, metrics, grads); any sampling in the loss uses `key`.
+    """(params, batch with its draws, key) -> (loss, metrics, grads) (see `Family.draws`).
     With a loss `scale` (a scalar, traced or not) the loss is multiplied by it before it is
     differentiated and the fp32 gradients divided by it: the loss and gradients returned are
     the unscaled ones, and only the compute-dtype cotangents in between are scaled."""
@@ -113,13 +113,19 @@ def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
-    """The step's gradient function: micro-batches (each micro-batch's loss scaled by `scale`,
-    when given), then the program's grad transforms, which see unscaled gradients."""
-    axes = {name: spec[2] for name, spec in batch_spec(program).items()}
-    fn = accumulate(base_grad_fn(program, scale), program.execution.micro_batches, axes)
+    """The step's gradient function: each micro-batch's draws, then its gradients (its loss
+    scaled by `scale`, when given) through the program's grad transforms, which see unscaled
+    gradients and a micro-batch that holds its draws; then the micro-batches accumulated."""
+    family = family_of(program.model)
+    fn = base_grad_fn(program, scale)
     for transform in program.grad_transforms:
         fn = transform.apply(fn)
-    return fn
+
+    def with_draws(params, batch, key, fn=fn):
+        return fn(params, family.with_draws(batch, key), key)
+
+    axes = {name: spec[2] for name, spec in batch_spec(program).items()}
+    return accumulate(with_draws, program.execution.micro_batches, axes)
 
 
 def first_step_grad_fn(program: TrainProgram):

@@ -194,6 +194,10 @@ def is_grad_sync(collective: dict) -> bool:
     (data, fsdp) and nothing else. Tensor and context reductions are of activations; the loss's
     scalar mean over the batch counts too, at a few bytes."""
     axes = set(collective["mesh_axes"].split(","))
+    if collective["kind"] == "all-gather" and axes == {"data"}:
+        # hierarchical-grads' last step (the node's shards gathered back); the rule table splits
+        # parameters over fsdp, never over data alone, so no weight gather looks like this.
+        return True
     return collective["kind"] in GRAD_SYNC_KINDS and bool(axes) and axes <= BATCH_AXES
 
 

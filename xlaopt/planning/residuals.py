@@ -37,8 +37,8 @@ def _stack_bytes(program: TrainProgram, remat: str, rows: int) -> int:
                         execution=dataclasses.replace(program.execution, remat=remat, micro_batches=1),
                         shardings=None)
     params, _ = step.abstract_params_with_axes(p)
-    model, loss_fn = step.make_model(p), family_of(p.model).loss
-    loss = lambda w, x: loss_fn(model, w, x, jax.random.key(0))[0]  # noqa: E731
+    model, family, key = step.make_model(p), family_of(p.model), jax.random.key(0)
+    loss = lambda w, x: family.loss(model, w, family.with_draws(x, key), key)[0]  # noqa: E731
     # The residuals are the leaves of the vjp closure; those that are the inputs themselves are
     # not saved activations.
     closed = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(loss, w, x)[1]))(params, step.abstract_batch(p))

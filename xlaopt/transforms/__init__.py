@@ -4,7 +4,8 @@ A transform is a frozen dataclass: its class names the rewrite and its fields ar
 rewrite's parameters, so two transforms built separately from the same parameters are equal
 and hash alike, and a pass that builds its transform again leaves the program unchanged.
   - `GradTransform.apply(grad_fn) -> grad_fn`: a traced-function rewrite (shard_map,
-    collective reordering), applied in order to the gradient function;
+    collective reordering), applied in order to one micro-batch's gradient function, whose
+    batch holds its random draws already (`xlaopt.step.build_grad_fn`);
   - `HloTransform.rewrite(module_proto) -> bytes | None`: a compiled-HLO rewrite, run by XLA
     before or after its scheduler (`jax.extend.xla.register_hlo_module_transformation`).
 Compiler options are `CompilerOptions` (`compiler_options.py`).

@@ -1,0 +1,55 @@
+"""collective-matmul: tensor parallel's output projections as ppermute rings interleaved with
+partial matmuls (`xlaopt.transforms.ring_matmul`), so the reduction over the tensor ranks
+overlaps the matmul instead of following it.
+
+Fits where the tensor axis splits the heads and the MLP (the rule table's `act_heads`, `act_mlp`
+on `tensor`) and no axis splits the sequence (the ring cuts it into one chunk per rank).
+Bidirectional by default: half of each chunk goes each way round the ring.
+
+Off unless enabled (`--pass-option collective-matmul.enabled=true`): on XLA's own GPU schedule,
+priced for H100s, it does not pay yet. For llama3-8b with tensor=4 on 8 rows of 8,192 tokens XLA's
+async all-reduces under the latency-hiding scheduler already leave only 0.125 s of a 1.61 s step
+exposed, and the ring's chunking adds more memory-bound work (slices, partial-gradient updates,
+the sequence gathered back) than it hides: 2.15 s (BENCHMARKS.md, "Collective matmul").
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from xlaopt.context import PassContext, PassResult
+from xlaopt.program import TrainProgram
+from xlaopt.transforms.ring_matmul import RingMatmul
+
+AXIS = "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveMatmul:
+    name: str = "collective-matmul"
+    summary: str = ("tensor parallel's output and MLP down projections as ppermute rings interleaved with partial "
+                    "matmuls (bidirectional), so the reduction overlaps the matmul")
+    bidirectional: bool = True
+    enabled: bool = False
+
+    def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
+        if not self.enabled:
+            return ("off unless enabled (--pass-option collective-matmul.enabled=true): on the priced GPU schedule "
+                    "it does not pay yet (see the pass's docstring)")
+        if program.shardings is None:
+            return "needs a layout (run mesh-layout first)"
+        if program.mesh.size(AXIS) == 1:
+            return "no tensor parallelism (tensor=1): no matmul is reduced over tensor ranks"
+        rules = dict((logical, axes) for logical, axes in reversed(program.rules))  # first rule wins
+        for logical in ("act_heads", "act_mlp"):
+            if AXIS not in rules.get(logical, ()):
+                return f"the rule table does not split {logical} over tensor"
+        for logical, axes in program.rules:
+            if logical == "seq" and any(program.mesh.size(a) > 1 for a in axes):
+                return "the sequence is split (context parallel): the ring needs each row's whole sequence"
+        return None
+
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
+        transform = RingMatmul(AXIS, program.mesh.size(AXIS), self.bidirectional)
+        kept = tuple(t for t in program.grad_transforms if not isinstance(t, RingMatmul))
+        new = program.replace(grad_transforms=kept + (transform,))
+        return PassResult(new, new != program, {"ring": program.mesh.size(AXIS), "bidirectional": self.bidirectional})
