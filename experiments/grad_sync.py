@@ -1,7 +1,7 @@
 """Gradient synchronisation measured for real: a 2-process x 4-device `jax.distributed` CPU job
 (gloo between the processes, each process one node), flat all-reduce against hierarchical-grads.
 
-    python experiments/grad_sync.py [--model llama-tiny] [--steps 30] [--json out/grad_sync.json]
+    python experiments/grad_sync.py [--model llama-tiny] [--steps 30] [--link GBIT] [--json out/grad_sync.json]
 
 Both sides reduce the same data-parallel gradients of the model's parameters (fp32, each device
 its own) over data=8:
@@ -12,6 +12,14 @@ Each is one jitted function, timed per call (block until ready), median over `--
 warm-up; the two alternate call by call so load on the machine falls on both. The whole train step
 (the default pipeline with and without the pass) is timed the same way. Process 0 checks that both
 reductions agree and writes the JSON (keys flat_ms, hierarchical_ms, steps, ...).
+
+Where the processes meet: by default both on this machine's loopback, where gloo carries every
+collective, inside a process as between them, at the same speed, so there is no slow level to
+keep bytes off. `--link GBIT` (root, Linux `ip` and `tc`) puts process 1 in its own network
+namespace joined to process 0's by a veth pair shaped to GBIT in each direction: two "hosts" whose
+own devices still talk over their loopback, and whose link is the slow level. Each process's gloo
+then advertises its veth address (JAX's gloo factory takes a hostname; the worker passes it), and
+the coordinator binds only process 0's veth address. The namespace is removed afterwards.
 """
 from __future__ import annotations
 
@@ -34,11 +42,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+NETNS, HOSTS = "xlaopt-gs1", ("10.77.0.1", "10.77.0.2")
+
+
+def _shaped_link(gbit: float) -> None:
+    """Process 1's network namespace and a veth pair shaped to `gbit` both ways (see the docstring)."""
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    _remove_link()
+    run("ip", "netns", "add", NETNS)
+    run("ip", "link", "add", "xgs0", "type", "veth", "peer", "name", "xgs1")
+    run("ip", "link", "set", "xgs1", "netns", NETNS)
+    run("ip", "addr", "add", f"{HOSTS[0]}/24", "dev", "xgs0")
+    run("ip", "link", "set", "xgs0", "up")
+    inside = ("ip", "netns", "exec", NETNS)
+    run(*inside, "ip", "addr", "add", f"{HOSTS[1]}/24", "dev", "xgs1")
+    run(*inside, "ip", "link", "set", "xgs1", "up")
+    run(*inside, "ip", "link", "set", "lo", "up")
+    for prefix, dev in (((), "xgs0"), (inside, "xgs1")):
+        run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit", "burst", "256kb",
+            "latency", "50ms")
+
+
+def _remove_link() -> None:
+    subprocess.run(["ip", "link", "del", "xgs0"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+
+
 def launch(args) -> int:
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--port", str(port),
-                               "--model", args.model, "--steps", str(args.steps), "--json", args.json or ""],
+    if args.link:
+        _shaped_link(args.link)
+    prefix = lambda i: ["ip", "netns", "exec", NETNS] if args.link and i == 1 else []  # noqa: E731
+    host = lambda i: HOSTS[i] if args.link else "127.0.0.1"  # noqa: E731
+    procs = [subprocess.Popen(prefix(i) + [sys.executable, __file__, "--worker", str(i), "--port", str(port),
+                                           "--host", host(i), "--coordinator-host", host(0), "--link", str(args.link),
+                                           "--model", args.model, "--steps", str(args.steps), "--json", args.json or ""],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(PROCESSES)]
     failed = False
@@ -54,6 +93,8 @@ def launch(args) -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        if args.link:
+            _remove_link()
     return 1 if failed else 0
 
 
@@ -71,11 +112,18 @@ def _median_ms(fns: dict, steps: int) -> dict:
 
 
 def worker(args) -> None:
+    import functools
+
     import jax
+    from jax._src import xla_bridge
 
-    from xlaopt.runtime.distributed import initialize
-
-    initialize(f"127.0.0.1:{args.port}", PROCESSES, args.worker)
+    # gloo advertises this process's address (its default, the hostname, is loopback here).
+    xla_bridge._jax.make_gloo_tcp_collectives = functools.partial(xla_bridge._jax.make_gloo_tcp_collectives,
+                                                                   hostname=args.host)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = f"{args.coordinator_host}:{args.port}"
+    jax.distributed.initialize(coordinator, num_processes=PROCESSES, process_id=args.worker,
+                               coordinator_bind_address=coordinator, initialization_timeout=120)
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -136,6 +184,7 @@ def worker(args) -> None:
 
     if jax.process_index() == 0:
         result = {"model": args.model, "processes": PROCESSES, "devices_per_process": LOCAL_DEVICES,
+                  "link_gbit": args.link or None,
                   "gradient_bytes_per_device": report["gradient_bytes_per_device"],
                   "network_bytes_flat": report["network_bytes_flat"], "network_bytes": report["network_bytes"],
                   "flat_ms": sync["flat"], "hierarchical_ms": sync["hierarchical"],
@@ -144,7 +193,8 @@ def worker(args) -> None:
                   "grad_step_calls": max(args.steps // 3, 5), "jax": jax.__version__,
                   "machine": os.uname().nodename, "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
         print(f"{args.model}: {report['gradient_bytes_per_device'] / 2**20:.1f} MiB of fp32 gradients per device, "
-              f"{PROCESSES} processes x {LOCAL_DEVICES} devices (gloo between processes), median of {args.steps}")
+              f"{PROCESSES} processes x {LOCAL_DEVICES} devices (gloo), processes joined by "
+              f"{f'a {args.link} Gbit/s link' if args.link else 'loopback'}, median of {args.steps}")
         print(f"{'':14}{'sync ms':>10}{'grad step ms':>14}{'MiB across':>12}")
         for name, across in (("flat", report["network_bytes_flat"]), ("hierarchical", report["network_bytes"])):
             print(f"{name:14}{sync[name]:10.1f}{step[name]:14.1f}{across / 2**20:12.1f}")
@@ -160,8 +210,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-tiny")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--link", type=float, default=0.0, metavar="GBIT",
+                        help="join the two processes by a link shaped to GBIT Gbit/s (needs root, ip, tc)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is None:

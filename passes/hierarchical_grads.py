@@ -11,6 +11,16 @@ XLA already sends only the shards across (tests/test_grad_sync.py) and the pass 
 
 The nodes are the topology's (`--topology`); without one, those of a multi-process job (each
 process's devices one node).
+
+It pays where the runtime's flat all-reduce is one ring over every rank and the link between
+nodes is the slow level: gloo between CPU hosts. Measured in a real 2-process gloo job
+(`experiments/grad_sync.py`, BENCHMARKS.md): 1.39x faster over a 0.2 Gbit/s link, slower where the
+link is about as fast as the node's own gloo (0.78x at 1 Gbit/s on the 2-core VM). On the GPU
+target it is off (`gpu=true` forces it): NCCL already runs a collective across nodes in two levels,
+each GPU's rail carrying its share, and the cost model prices it so; written out by hand the three
+steps price slower (llama3-8b, 4 layers, data=16 on h100:2x8: gradient synchronisation 68.5 ms ->
+87.7 ms a step). jax 0.10.2's cuDNN attention cannot run inside the pass's shard_map at all (its
+custom partitioning fails Shardy's verifier there).
 """
 from __future__ import annotations
 
@@ -71,6 +81,7 @@ class HierarchicalGrads:
     name: str = "hierarchical-grads"
     summary: str = ("reduce data-parallel gradients in two levels: reduce-scatter in the node, all-reduce the "
                     "shards across nodes, all-gather in the node; each layer's inside the backward loop")
+    gpu: bool = False  # apply on the GPU target too (NCCL does this itself; priced slower, see above)
 
     def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
         reason = self._plan(program, ctx)
@@ -81,6 +92,12 @@ class HierarchicalGrads:
 
         if program.shardings is None:
             return "needs a layout (run mesh-layout first)"
+        if ctx.target == "gpu" and not self.gpu:
+            return ("on the GPU target NCCL already reduces across nodes in two levels (each GPU's rail carrying its "
+                    "share) and the cost model prices it so; force with --pass-option hierarchical-grads.gpu=true")
+        if program.execution.attention == "cudnn":
+            return (f"attention=cudnn cannot run inside the pass's shard_map on jax {jax.__version__} (its custom "
+                    f"partitioning fails Shardy's verifier there); use attention=segment")
         if AXIS not in batch_axes(program):
             return "the rows are not split over the data axis"
         param_specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))

@@ -115,6 +115,9 @@ def test_the_pass_says_why_it_does_not_apply():
     assert "stays inside one node" in reason("data=4", parse_topology("h100:1x8"))
     assert "the nodes are unknown" in reason("data=8", None)
     assert "not split over the data axis" in reason("fsdp=8")
+    gpu = TrainProgram(LLAMA, MeshSpec.parse("data=8"), settings=TrainSettings(batch=BatchShape(8, 32, 0)), target="gpu")
+    record = _laid_out(gpu)[1]["hierarchical-grads"]
+    assert "NCCL already reduces across nodes in two levels" in record.report["skipped"]
     program = TrainProgram(LLAMA, MeshSpec.parse("data=2,fsdp=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
     with pytest.raises(UserError, match="hierarchical-grads: each node holds one data rank"):
         run_pipeline(program, select_passes(pipeline(), only=["mesh-layout", "hierarchical-grads"]),
