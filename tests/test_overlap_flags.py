@@ -87,3 +87,55 @@ def test_the_passes_it_switches_on_rewrite_the_step_in_xlas_own_dumps(tmp_path):
     assert {"collective-pipeliner-forward", "collective-pipeliner-backward",
             "loop-double-buffer-transformer"} <= changed["with"]
     assert results["with"]["exposed_comm_s"] < results["without"]["exposed_comm_s"]
+
+
+def _prefetched_gathers(ins) -> list[str]:
+    """The all-gather-starts of a loop body whose gathered values go to the next iteration (reach
+    the ROOT tuple through no matmul) and are issued before the body's last matmul."""
+    users: dict[str, list] = {}
+    for i in ins:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    gemm = lambda i: i.opcode in ("custom-call", "fusion") and any(k in i.name for k in ("gemm", "dot"))  # noqa: E731
+    last_gemm = max((k for k, i in enumerate(ins) if gemm(i)), default=-1)
+    found = []
+    for k, start in enumerate(ins):
+        if start.opcode != "all-gather-start":
+            continue
+        done = next(i for i in ins if i.opcode == "all-gather-done" and start.name in i.operands)
+        seen, stack, to_root, to_gemm = set(), [done], False, False
+        while stack:
+            for u in users.get(stack.pop().name, []):
+                if u.name not in seen:
+                    seen.add(u.name)
+                    to_root |= u.is_root
+                    to_gemm |= gemm(u)
+                    if not u.is_root and not gemm(u):
+                        stack.append(u)
+        if to_root and not to_gemm and k < last_gemm:
+            found.append(start.name)
+    return found
+
+
+def test_fsdp_weights_are_prefetched_a_layer_ahead_by_xlas_pipeliner(tmp_path):
+    """FSDP weight prefetch on jax 0.10.2 is XLA's collective pipeliner, which overlap-flags
+    switches on: with it each layer loop body issues an all-gather whose weights only the next
+    iteration uses, before the body's own matmuls are done (the first layer's is peeled before the
+    loop); without it every gather in a body feeds that body's matmuls."""
+    pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
+    from xlaopt.analysis.analyze import analyze
+    from xlaopt.analysis.hlo import parse
+
+    topology = parse_topology("h100:1x8")
+    prefetched = {}
+    for label, passes in (("without", ["mesh-layout"]), ("with", ["mesh-layout", "overlap-flags"])):
+        program, _ = run_pipeline(_program("gpu"), select_passes(pipeline(), passes),
+                                  ctx=PassContext.for_program(_program("gpu"), topology))
+        analyze(program, topology, dump_dir=str(tmp_path / label))
+        comps, entry = parse((tmp_path / label / "analyzed-gpu.compiled.hlo").read_text())
+        bodies = {name: ins for name, ins in comps.items()
+                  if name != entry and any(i.opcode == "all-gather-start" for i in ins)}
+        assert len(bodies) == 2  # the forward and the backward layer loops
+        prefetched[label] = {name: _prefetched_gathers(ins) for name, ins in bodies.items()}
+    assert not any(prefetched["without"].values())
+    assert all(prefetched["with"].values()), prefetched["with"]
