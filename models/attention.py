@@ -13,8 +13,10 @@ block)`, and gives [B, L, H, K]: queries over keys under the two-way mask of `ma
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +119,26 @@ def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0
     return (q_BLNRK * k_BSNK[:, :, :, None, :] + v_BSNK[:, :, :, None, :]).reshape(B, L, H, K)
 
 
+# How an implementation is called: directly, unless a rewrite installs a wrapper
+# `(attend, q, k, v, q_tokens, k_tokens) -> out` that calls `attend(q, k, v, q_tokens, k_tokens)`
+# its own way (context parallel: `xlaopt.transforms.ulysses`).
+_ATTENTION_WRAPPER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_attention_wrapper",
+                                                                                    default=None)
+
+
+class attention_through:
+    """Context manager installing an attention wrapper (see `_ATTENTION_WRAPPER`)."""
+
+    def __init__(self, wrapper: Callable):
+        self._wrapper = wrapper
+
+    def __enter__(self):
+        self._token = _ATTENTION_WRAPPER.set(self._wrapper)
+
+    def __exit__(self, *exc):
+        _ATTENTION_WRAPPER.reset(self._token)
+
+
 # The execution config's `attention` names one of these.
 ATTENTION = {"dense": dense_attention, "blockwise": blockwise_or_dense, "segment": segment_attention,
              "cudnn": cudnn_attention, "io_only": attention_io_only}
@@ -140,4 +162,12 @@ class AttentionSpec:
         impl = ATTENTION[self.impl]
         if self.impl == "cudnn":  # the one implementation with a static segment budget
             impl = functools.partial(impl, max_segments=self.max_segments)
-        return impl(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, self.block)
+        attend = functools.partial(_call, impl, self.block)
+        wrapper = _ATTENTION_WRAPPER.get()
+        if wrapper is None:
+            return attend(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
+        return wrapper(attend, q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
+
+
+def _call(impl, block, q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens):
+    return impl(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block)

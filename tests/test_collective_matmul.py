@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from xlaopt.analysis.hlo import parse
+from xlaopt.analysis.hlo import compute_inside_async, parse
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.compile import compile_program
 from xlaopt.context import PassContext
@@ -129,20 +129,6 @@ def test_the_pass_says_why_it_does_not_apply():
     assert "context parallel" in reason("context=2,tensor=4", attention="segment")
 
 
-def _async_windows(text: str, kind: str) -> list[int]:
-    """For each async `kind` in the scheduled GPU program: the compute ops between its start and done."""
-    comps, _ = parse(text)
-    windows = []
-    for ins in comps.values():
-        for i, start in enumerate(ins):
-            if start.opcode != f"{kind}-start":
-                continue
-            done = next(j for j in range(i + 1, len(ins)) if ins[j].opcode == f"{kind}-done"
-                        and start.name in ins[j].operands)
-            windows.append(sum(x.opcode in ("fusion", "custom-call", "convolution", "dot") for x in ins[i + 1:done]))
-    return windows
-
-
 def test_on_the_gpu_target_xla_schedules_compute_inside_the_ring_transfers(tmp_path):
     """llama3-8b's shapes (two layers), tensor=4, rows of 8,192: the ring's collective-permutes
     are async in XLA's GPU schedule and nearly all hold compute between start and done (49 of 52
@@ -159,7 +145,8 @@ def test_on_the_gpu_target_xla_schedules_compute_inside_the_ring_transfers(tmp_p
                           ("after", ["mesh-layout", "collective-matmul", "overlap-flags"])):
         laid, _ = run_pipeline(program, select_passes(pipeline(ON), passes), ctx=PassContext.for_program(program, topology))
         analyze(laid, topology, dump_dir=str(tmp_path / label))
-        windows[label] = _async_windows((tmp_path / label / "analyzed-gpu.compiled.hlo").read_text(), "collective-permute")
+        windows[label] = compute_inside_async((tmp_path / label / "analyzed-gpu.compiled.hlo").read_text(),
+                                              "collective-permute")
     ring = len(windows["after"]) - len(windows["before"])
     assert ring >= 2 * 2 * 3, windows  # at least one layer's forward: two rings, three steps, both ways
     overlapped = sum(w >= 1 for w in windows["after"])

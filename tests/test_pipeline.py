@@ -153,11 +153,12 @@ def test_failing_pass_is_named_with_what_ran_before(program):
 
 def test_disable_by_name_leaves_everything_replicated(program):
     passes = select_passes(pipeline(), disable=["mesh-layout"])
-    # layout-plan and collective-matmul are off unless enabled, hierarchical-grads needs a layout,
-    # overlap-flags does not fit the cpu target: nothing changes.
-    assert [p.name for p in passes] == ["layout-plan", "hierarchical-grads", "collective-matmul", "overlap-flags"]
+    # layout-plan and collective-matmul are off unless enabled, hierarchical-grads and
+    # ulysses-attention need a layout, overlap-flags does not fit the cpu target: nothing changes.
+    assert [p.name for p in passes] == ["layout-plan", "hierarchical-grads", "collective-matmul",
+                                        "ulysses-attention", "overlap-flags"]
     out, records = run_pipeline(program, passes)
-    assert out == program and [r.changed for r in records] == [False] * 4
+    assert out == program and [r.changed for r in records] == [False] * 5
     compiled = compile_program(out)
     assert all(s.spec == P() for s in jax.tree.leaves(compiled.state_shardings))
     with pytest.raises(UserError, match="unknown pass 'mesh-layuot'"):

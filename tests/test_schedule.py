@@ -205,3 +205,22 @@ ENTRY %main (x: f32[8,16], t: token[]) -> f32[8,16] {
     for name in ("send", "recv"):
         info = ops[name].collective
         assert (info.kind, info.bytes, info.replica_groups) == (name, 8 * 16 * 4, ((0, 1), (1, 2)))
+
+
+def test_compute_inside_an_async_collective_is_counted_between_its_start_and_done():
+    from xlaopt.analysis.hlo import compute_inside_async
+
+    text = """HloModule m
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %s = ((f32[4]{0}), f32[4]{0}) all-to-all-start(f32[4]{0} %p), replica_groups={{0,1}}
+  %f = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fused
+  %d = f32[4]{0} all-to-all-done(((f32[4]{0}), f32[4]{0}) %s)
+  %s2 = ((f32[4]{0}), f32[4]{0}) all-to-all-start(f32[4]{0} %f), replica_groups={{0,1}}
+  %d2 = f32[4]{0} all-to-all-done(((f32[4]{0}), f32[4]{0}) %s2)
+  ROOT %r = f32[4]{0} add(f32[4]{0} %d, f32[4]{0} %d2)
+}
+"""
+    assert compute_inside_async(text, "all-to-all") == [1, 0]  # the fusion hides the first, nothing the second
+    assert compute_inside_async(text, "all-gather") == []

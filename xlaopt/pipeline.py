@@ -41,8 +41,9 @@ def pass_classes() -> tuple[type, ...]:
     from xlaopt.passes.layout_plan import LayoutPlan
     from xlaopt.passes.mesh_layout import MeshLayout
     from xlaopt.passes.overlap_flags import OverlapFlags
+    from xlaopt.passes.ulysses_attention import Ulysses
 
-    return (LayoutPlan, MeshLayout, HierarchicalGrads, CollectiveMatmul, OverlapFlags)
+    return (LayoutPlan, MeshLayout, HierarchicalGrads, CollectiveMatmul, Ulysses, OverlapFlags)
 
 
 def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pass, ...]:

@@ -262,6 +262,25 @@ def async_computations(comps: dict[str, list[Instruction]]) -> set[str]:
             for m in [re.search(r"calls=%?([\w.\-]+)", ins.attrs)] if m}
 
 
+COMPUTE_OPCODES = ("fusion", "custom-call", "convolution", "dot")
+
+
+def compute_inside_async(hlo_text: str, kind: str) -> list[int]:
+    """For each async `kind` (e.g. all-to-all: its `-start` / `-done` pair) of a scheduled
+    program, how many compute instructions the schedule runs between its start and its done:
+    0 means the transfer is exposed unless something else hides it."""
+    comps, _ = parse(hlo_text)
+    windows = []
+    for instrs in comps.values():
+        for i, start in enumerate(instrs):
+            if start.opcode != f"{kind}-start":
+                continue
+            done = next(j for j in range(i + 1, len(instrs))
+                        if instrs[j].opcode == f"{kind}-done" and start.name in instrs[j].operands)
+            windows.append(sum(x.opcode in COMPUTE_OPCODES for x in instrs[i + 1:done]))
+    return windows
+
+
 def collectives(hlo_text: str, mesh_shape: dict[str, int] | None = None, topology=None) -> list[Collective]:
     """Every collective in a compiled module, in schedule order within each computation."""
     comps, _ = parse(hlo_text)

@@ -1,0 +1,63 @@
+"""Context parallel attention, Ulysses style: where the context axis splits the sequence, each
+attention turns its sequence-split queries, keys and values into head-split ones with one
+all-to-all each, attends over the whole sequence with its share of the heads, and turns the
+output back with another all-to-all.
+
+XLA's partitioner meets a sequence-split attention by gathering the keys and values over the
+context ranks, and the implementation then sees only its own queries. Here the attention (any
+implementation, by `models.attention`'s wrapper seam) runs in a `shard_map` over the context
+axis on whole rows: each rank holds every token of `kv_heads / context` key-value heads (and their
+query heads, which are contiguous under grouped-query attention). The heads are cut into `chunks`
+groups whose all-to-alls and attentions are independent, so a GPU schedule can move one group's
+all-to-all under another group's attention. The mask's per-token facts (segment, tower, position)
+are gathered whole: a few integers a token.
+
+Fits where kv_heads splits into context x chunks groups on each tensor rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from xlaopt.models.attention import attention_through
+from xlaopt.models.masks import Tokens
+from xlaopt.transforms import GradTransform
+
+
+@dataclasses.dataclass(frozen=True)
+class UlyssesAttention(GradTransform):
+    name: ClassVar[str] = "ulysses-attention"
+    axis: str  # the mesh axis that splits the sequence (context)
+    chunks: int = 2  # head groups whose all-to-alls and attentions are independent
+
+    def attend(self, attend: Callable, q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens):
+        axis, chunks = self.axis, self.chunks
+        seq = PartitionSpec(None, axis)
+
+        def local(q, k, v, qt, kt):
+            whole = lambda t: Tokens(*(jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in t))  # noqa: E731
+            qt, kt = whole(qt), whole(kt)
+            N, H = k.shape[2], q.shape[2]
+            n, h = N // chunks, H // chunks
+            to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731  seq -> heads
+            to_seq = lambda x: jax.lax.all_to_all(x, axis, 1, 2, tiled=True)  # noqa: E731  heads -> seq
+            outs = [to_seq(attend(to_heads(q[:, :, g * h:(g + 1) * h]), to_heads(k[:, :, g * n:(g + 1) * n]),
+                                  to_heads(v[:, :, g * n:(g + 1) * n]), qt, kt))
+                    for g in range(chunks)]
+            return jnp.concatenate(outs, axis=2)
+
+        tokens = Tokens(seq, seq, seq)
+        # Unchecked: segment attention's own VJP inside knows nothing of varying axes; every input
+        # and the output are split over the axis, so nothing replicated needs the check.
+        return jax.shard_map(local, in_specs=(seq, seq, seq, tokens, tokens), out_specs=seq,
+                             axis_names={axis}, check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
+
+    def apply(self, grad_fn: Callable) -> Callable:
+        def wrapped(params, batch, key):
+            with attention_through(self.attend):
+                return grad_fn(params, batch, key)
+        return wrapped
