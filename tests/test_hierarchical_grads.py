@@ -122,3 +122,21 @@ def test_the_pass_says_why_it_does_not_apply():
     with pytest.raises(UserError, match="hierarchical-grads: each node holds one data rank"):
         run_pipeline(program, select_passes(pipeline(), only=["mesh-layout", "hierarchical-grads"]),
                      ctx=PassContext.for_program(program, TOPOLOGY, requested=["hierarchical-grads"]))
+
+
+@needs_devices(8)
+def test_verify_takes_the_topology_and_the_pass_applies(tmp_path, capsys):
+    import json
+
+    from xlaopt.cli import main
+
+    out = tmp_path / "verify.json"
+    assert main(["verify", "--model", "llama-tiny", "--mesh", "data=8", "--topology", "h100:2x4", "--batch-size", "8",
+                 "--text-len", "32", "--json", str(out)]) == 0
+    passes = {p["name"]: p for p in json.loads(out.read_text())["passes"]}
+    assert passes["hierarchical-grads"]["changed"] and passes["hierarchical-grads"]["report"]["data_ranks_per_node"] == 4
+    assert ": ok" in capsys.readouterr().out
+    assert main(["verify", "--model", "llama-tiny", "--mesh", "data=8", "--topology", "h100:1x4"]) == 2
+    assert "needs 8 devices; topology h100:1x4 has 4" in capsys.readouterr().err
+    assert main(["verify", "--model", "llama-tiny", "--mesh", "data=8", "--topology", "cpu:2x4"]) == 2
+    assert "the simulated CPU devices are one host" in capsys.readouterr().err

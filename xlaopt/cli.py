@@ -93,7 +93,7 @@ def _apply_global_batch(args, config) -> None:
     args.text_len, args.gen_len = split_budget(args.seq, text, gen)
 
 
-_CLUSTER_HELP = ("the cluster the mesh is laid on, e.g. cpu:2x4 or a TOML/JSON file: passes that act on its nodes "
+_CLUSTER_HELP = ("the cluster the mesh is laid on, e.g. h100:2x4 or a TOML/JSON file: passes that act on its nodes "
                  "(hierarchical-grads) use them; default: in a multi-process job each process's devices are a node")
 
 

@@ -123,6 +123,10 @@ def device_for_kind(kind: str) -> Device | None:
 
 def preset(name: str, nodes: int | None = None, devices_per_node: int | None = None) -> Topology:
     if name == "cpu":
+        if nodes not in (None, 1):  # it used to be taken as one node of devices_per_node, silently
+            raise TopologyError(f"cpu:{nodes}x{devices_per_node}: the simulated CPU devices are one host, so the cpu "
+                                f"preset has one node (cpu:1x{nodes * (devices_per_node or 8)}); for a cluster's "
+                                f"nodes give its preset, e.g. h100:{nodes}x{devices_per_node or 8}")
         return cpu_simulation(devices_per_node or 8)
     if name not in _DEVICES:
         raise TopologyError(f"unknown topology preset {name!r}; presets: {', '.join(PRESETS)} "
