@@ -19,7 +19,8 @@ from xlaopt.models.block import TransformerBlock
 from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, next_token_loss, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
-from xlaopt.models.registry import register
+from xlaopt.models.registry import ConfigError, register
+from xlaopt.models.rope_scaling import llama3_inv_freq
 from xlaopt.models.stack import LayerStack, StackSpec
 from xlaopt.models.transformer_config import TransformerConfig
 
@@ -31,6 +32,26 @@ class DecoderConfig(TransformerConfig):
     family: ClassVar[str] = "decoder"
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # Llama 3.1's RoPE frequency scaling (`models.rope_scaling`); factor 1: none.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.rope_scaling_factor < 1 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(f"{self.name}: rope_scaling_factor={self.rope_scaling_factor} must be >= 1 and "
+                              f"0 < rope_low_freq_factor ({self.rope_low_freq_factor}) < rope_high_freq_factor "
+                              f"({self.rope_high_freq_factor})")
+
+    def rope_inv_freq(self) -> tuple[float, ...] | None:
+        """The rotary inverse frequencies when scaled; None: rope_theta's own."""
+        if self.rope_scaling_factor == 1:
+            return None
+        return tuple(float(f) for f in llama3_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling_factor,
+                                                       self.rope_low_freq_factor, self.rope_high_freq_factor,
+                                                       self.rope_original_max_positions))
 
 
 def document_tokens(seg_BT) -> Tokens:
@@ -72,7 +93,7 @@ class Decoder(nn.Module):
                           ("batch", "seq", "act_embed"))
         tokens_T = document_tokens(seg_BT)
         positions_3BT = jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape)
-        rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta)
+        rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta, c.rope_inv_freq())
         block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt,
                      qk_norm=c.qk_norm)
@@ -113,7 +134,12 @@ register("llama-tiny", DecoderConfig, vocab_size=4096, d_model=256, num_layers=4
          mlp_dim=768, rope_theta=1e4)
 register("llama2-7b", DecoderConfig, vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32,
          mlp_dim=11008, rope_theta=1e4)
+# Llama 3.1's shapes and RoPE (theta 5e5, frequencies scaled 8x beyond 8,192 positions).
+LLAMA3_ROPE = dict(rope_theta=5e5, rope_scaling_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                   rope_original_max_positions=8192)
 register("llama3-8b", DecoderConfig, vocab_size=128256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-         mlp_dim=14336)
+         mlp_dim=14336, **LLAMA3_ROPE)
 register("llama3-70b", DecoderConfig, vocab_size=128256, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-         mlp_dim=28672)
+         mlp_dim=28672, **LLAMA3_ROPE)
+register("llama3-405b", DecoderConfig, vocab_size=128256, d_model=16384, num_layers=126, num_heads=128, num_kv_heads=8,
+         mlp_dim=53248, **LLAMA3_ROPE)

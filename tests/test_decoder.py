@@ -53,9 +53,31 @@ def test_documents_are_isolated(llama):
     np.testing.assert_array_equal(logits2[1:], logits[1:])
 
 
-@pytest.mark.parametrize("name, published", [("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9)])
+@pytest.mark.parametrize("name, published", [("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9),
+                                             ("llama3-405b", 405.85e9)])
 def test_released_llama_sizes(name, published):
     assert abs(param_count(TrainProgram(get_config(name))) - published) / published < 0.01
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3-405b"])
+def test_llama3_rope_scaling_equals_transformers(name):
+    """Llama 3.1's scaled rotary frequencies against transformers' own ("llama3" rope type)."""
+    transformers = pytest.importorskip("transformers", reason="the parity extra")
+    from transformers.modeling_rope_utils import _compute_llama3_parameters
+
+    c = get_config(name)
+    reference = transformers.LlamaConfig(
+        hidden_size=c.d_model, num_attention_heads=c.num_heads, head_dim=c.head_dim, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": c.rope_theta, "factor": c.rope_scaling_factor,
+                         "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
+                         "original_max_position_embeddings": c.rope_original_max_positions})
+    want, _ = _compute_llama3_parameters(reference)
+    got = np.asarray(c.rope_inv_freq())
+    # Both from the same float64 formula; torch's pow on its float64 arange then rounds to fp32.
+    np.testing.assert_allclose(got, want.float().numpy(), rtol=1e-6)
+    slowest = c.rope_theta ** (-(c.head_dim - 2) / c.head_dim)
+    assert got[0] == 1.0 and got[-1] == pytest.approx(slowest / 8, rel=1e-6)  # fastest pair kept, slowest 8x slower
+    assert get_config("llama2-7b").rope_inv_freq() is None
 
 
 def test_decoder_flops_by_hand():
