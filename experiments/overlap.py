@@ -27,8 +27,8 @@ DEFAULT_CASES = ("nano-720p-16x8", "llama3-70b-16x8")
 VARIANTS = {  # name -> (the passes run (None: the whole default pipeline, the planner aside), pass options)
     "none": (("mesh-layout",), {}),
     "flags": (("mesh-layout", "overlap-flags"), {}),
-    # XLA's loop double buffering also unrolls the micro-batch loop; measured apart.
-    "flags-no-db": (("mesh-layout", "overlap-flags"), {"overlap-flags": {"double_buffering": False}}),
+    # XLA's loop double buffering (off by default: it also unrolls the micro-batch loop), measured apart.
+    "flags-db": (("mesh-layout", "overlap-flags"), {"overlap-flags": {"double_buffering": True}}),
     "all": (None, {}),
 }
 

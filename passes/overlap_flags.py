@@ -6,7 +6,8 @@ with them. On the GPU target it sets:
   xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce}
                                                  the collective pipeliner: move a loop's per-layer
                                                  collectives into the previous / next iteration;
-  xla_gpu_enable_while_loop_double_buffering     unroll the layer loop by two so they can;
+  xla_gpu_enable_while_loop_double_buffering     unroll the layer loop by two so they can (off by
+                                                 default, see below);
   xla_gpu_enable_highest_priority_async_stream   collectives on a high-priority stream;
   xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes
                                                  sized from the topology (below).
@@ -23,6 +24,13 @@ when there is one node). Without a topology XLA's defaults stay.
 
 Options the program already holds (`--xla-option`) are the user's and win; the report lists
 what was set and what was left.
+
+Loop double buffering is off unless asked for (`overlap-flags.double_buffering=true`). On the
+priced H100 schedule it gains 0.15% on cosmos3-nano's planned 720p step and costs 31% on
+llama3-70b's (FSDP 128, 2 micro-batches: 35.4 s -> 46.3 s), where it also unrolls the
+micro-batch loop and the schedule then holds 27% more matmul FLOPs. Whether XLA runs that work
+or the schedule reader miscounts the transformed loops needs a GPU to settle; until then the
+default does not take the risk (BENCHMARKS.md, "Overlap on XLA's GPU schedule").
 """
 from __future__ import annotations
 
@@ -51,7 +59,7 @@ class OverlapFlags:
     summary: str = ("XLA GPU overlap flags, MaxText's way: latency-hiding scheduler, pipelined collectives, "
                     "loop double buffering, combine thresholds sized from the topology (gpu target)")
     pipelined_collectives: bool = True
-    double_buffering: bool = True
+    double_buffering: bool = False  # see the module docstring
     combine_threshold_bytes: int = 0  # 0: sized from the topology (XLA's default without one)
 
     def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:

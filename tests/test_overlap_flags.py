@@ -49,7 +49,9 @@ def test_sets_the_flags_sizes_the_thresholds_from_the_topology_and_keeps_the_use
     # A ring over 16 nodes on 400 Gb/s InfiniBand (50 GB/s, 10 us a step): latency a tenth of transfer.
     assert options["xla_gpu_all_gather_combine_threshold_bytes"] == 15 * 10e-6 * 50e9 / 0.1 == 75_000_000
     assert options["xla_gpu_enable_pipelined_all_gather"] is True
-    assert options["xla_gpu_enable_while_loop_double_buffering"] is True
+    assert "xla_gpu_enable_while_loop_double_buffering" not in options  # off unless asked for (docstring)
+    assert OverlapFlags(double_buffering=True).options(PassContext("gpu"))[
+        "xla_gpu_enable_while_loop_double_buffering"] is True
     assert options["xla_gpu_enable_pipelined_all_reduce"] is False  # the user's own option wins
     assert result.report["left_to_the_user"] == {"xla_gpu_enable_pipelined_all_reduce": False}
     assert result.changed and "xla_gpu_enable_pipelined_all_reduce" not in result.report["set"]
@@ -75,11 +77,12 @@ def test_the_passes_it_switches_on_rewrite_the_step_in_xlas_own_dumps(tmp_path):
 
     topology = parse_topology("h100:1x8")
     results, changed = {}, {}
+    with_double_buffering = pipeline({"overlap-flags": {"double_buffering": True}})
     for label, passes in (("without", ["mesh-layout"]), ("with", ["mesh-layout", "overlap-flags"])):
         dump = tmp_path / label
         program = _program("gpu", xla_dump_to=str(dump), xla_dump_hlo_pass_re="collective-pipeliner.*|"
                                                                               "loop-double-buffer.*")
-        program, _ = run_pipeline(program, select_passes(pipeline(), passes),
+        program, _ = run_pipeline(program, select_passes(with_double_buffering, passes),
                                   ctx=PassContext.for_program(program, topology))
         results[label] = analyze(program, topology)
         changed[label] = _passes_that_changed(dump)
