@@ -195,8 +195,9 @@ def is_grad_sync(collective: dict) -> bool:
     scalar mean over the batch counts too, at a few bytes."""
     axes = set(collective["mesh_axes"].split(","))
     if collective["kind"] == "all-gather" and axes == {"data"}:
-        # hierarchical-grads' last step (the node's shards gathered back); the rule table splits
-        # parameters over fsdp, never over data alone, so no weight gather looks like this.
+        # hierarchical-grads' last step (the node's shards gathered back). The default rule table
+        # splits parameters over fsdp, never over data alone, so no weight gather looks like this;
+        # under a table that splits weights over data this would count their gathers too.
         return True
     return collective["kind"] in GRAD_SYNC_KINDS and bool(axes) and axes <= BATCH_AXES
 
