@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from xlaopt.models.cudnn_attention import MAX_SEGMENTS, cudnn_attention
 from xlaopt.models.masks import Tokens, pair_mask
 from xlaopt.models.segment_attention import pad_to_blocks, segment_attention
+from xlaopt.models.tracing import installed
 
 
 def dense_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0) -> jax.Array:
@@ -126,17 +127,9 @@ _ATTENTION_WRAPPER: contextvars.ContextVar[Callable | None] = contextvars.Contex
                                                                                     default=None)
 
 
-class attention_through:
+def attention_through(wrapper: Callable):
     """Context manager installing an attention wrapper (see `_ATTENTION_WRAPPER`)."""
-
-    def __init__(self, wrapper: Callable):
-        self._wrapper = wrapper
-
-    def __enter__(self):
-        self._token = _ATTENTION_WRAPPER.set(self._wrapper)
-
-    def __exit__(self, *exc):
-        _ATTENTION_WRAPPER.reset(self._token)
+    return installed(_ATTENTION_WRAPPER, wrapper)
 
 
 # The execution config's `attention` names one of these.

@@ -12,6 +12,7 @@ Logical axis names (mapped to mesh axes by the one rule table in `xlaopt.shardin
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from typing import Callable, Sequence
@@ -19,6 +20,8 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from xlaopt.models.tracing import installed
 
 # Activation constraints are installed by whoever traces the model (the training program's
 # layout, a pass recording shapes, ...); the model itself only names logical axes. They
@@ -35,18 +38,12 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return x
 
 
-class activation_constraint:
+@contextlib.contextmanager
+def activation_constraint(fn: Callable):
     """Context manager adding `fn(x, logical_axes) -> x` to the installed constraints while a
     model is traced (innermost last)."""
-
-    def __init__(self, fn: Callable):
-        self._fn = fn
-
-    def __enter__(self):
-        self._token = _ACTIVATION_CONSTRAINTS.set(_ACTIVATION_CONSTRAINTS.get() + (self._fn,))
-
-    def __exit__(self, *exc):
-        _ACTIVATION_CONSTRAINTS.reset(self._token)
+    with installed(_ACTIVATION_CONSTRAINTS, _ACTIVATION_CONSTRAINTS.get() + (fn,)):
+        yield
 
 
 # The mesh axes that split a batch's rows, installed by whoever traces the model under a mesh:
@@ -59,17 +56,9 @@ def batch_mesh_axes() -> tuple[str, ...]:
     return _BATCH_MESH_AXES.get()
 
 
-class rows_split_over:
+def rows_split_over(axes: tuple[str, ...]):
     """Context manager naming the mesh axes that split the batch's rows while a model is traced."""
-
-    def __init__(self, axes: tuple[str, ...]):
-        self._axes = tuple(axes)
-
-    def __enter__(self):
-        self._token = _BATCH_MESH_AXES.set(self._axes)
-
-    def __exit__(self, *exc):
-        _BATCH_MESH_AXES.reset(self._token)
+    return installed(_BATCH_MESH_AXES, tuple(axes))
 
 
 # The mesh axes a gradient rewrite has made manual (a shard_map over them wraps the whole loss):
@@ -83,17 +72,9 @@ def manual_axes() -> tuple[str, ...]:
     return _MANUAL_AXES.get()
 
 
-class manual_over:
+def manual_over(axes: tuple[str, ...]):
     """Context manager naming the mesh axes a shard_map around the loss has made manual."""
-
-    def __init__(self, axes: tuple[str, ...]):
-        self._axes = tuple(axes)
-
-    def __enter__(self):
-        self._token = _MANUAL_AXES.set(self._axes)
-
-    def __exit__(self, *exc):
-        _MANUAL_AXES.reset(self._token)
+    return installed(_MANUAL_AXES, tuple(axes))
 
 
 def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -113,17 +94,9 @@ _REDUCE_MATMUL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar
                                                                                 default=None)
 
 
-class reduce_matmul_through:
+def reduce_matmul_through(impl: Callable):
     """Context manager installing `impl(equation, x, w, x_split, w_split)` for `reduce_matmul`."""
-
-    def __init__(self, impl: Callable):
-        self._impl = impl
-
-    def __enter__(self):
-        self._token = _REDUCE_MATMUL.set(self._impl)
-
-    def __exit__(self, *exc):
-        _REDUCE_MATMUL.reset(self._token)
+    return installed(_REDUCE_MATMUL, impl)
 
 
 def reduce_matmul(equation: str, x: jax.Array, w: jax.Array, x_split: int, w_split: int) -> jax.Array:

@@ -25,6 +25,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
+from xlaopt.models.tracing import installed
+
 # "none": keep every activation; "full": keep only each layer's input, recompute the rest in
 # the backward pass; "dots": keep matmul outputs, recompute elementwise work;
 # "dots_no_batch": keep only matmuls without batch dimensions (weights x activations).
@@ -41,18 +43,10 @@ _PARAMS_HOOK: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("
                                                                                default=None)
 
 
-class layer_params_through:
+def layer_params_through(hook: Callable):
     """Context manager installing `hook(params_i, path) -> params_i` on every stacked layer's
     parameters while a model is traced (see the module docstring)."""
-
-    def __init__(self, hook: Callable):
-        self._hook = hook
-
-    def __enter__(self):
-        self._token = _PARAMS_HOOK.set(self._hook)
-
-    def __exit__(self, *exc):
-        _PARAMS_HOOK.reset(self._token)
+    return installed(_PARAMS_HOOK, hook)
 
 
 def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
