@@ -17,10 +17,7 @@ from xlaopt.context import PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
 from xlaopt.step import batch_spec, make_optimizer
-
-
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+from xlaopt.transforms.hierarchical_reduce import path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +33,7 @@ class MeshLayout:
         flat_params, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_logical = treedef.flatten_up_to(logical)
         param_specs = treedef.unflatten([
-            logical_to_spec(tuple(axes), leaf.shape, program.rules, program.mesh, f"param {_path_name(path)}", use)
+            logical_to_spec(tuple(axes), leaf.shape, program.rules, program.mesh, f"param {path_name(path)}", use)
             for (path, leaf), axes in zip(flat_params, flat_logical)])
 
         state = ctx.cache.abstract_state(program)
