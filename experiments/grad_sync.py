@@ -138,7 +138,7 @@ def worker(args) -> None:
     from xlaopt.transforms.hierarchical_reduce import HierarchicalGradReduce
 
     config = get_config(args.model)
-    batch = BatchShape(8, 64, 0) if config.family == "decoder" else family_of(config).default_batch
+    batch = BatchShape(8, 64, 0) if config.family == "decoder" else family_of(config).default_batch(config)
     program = TrainProgram(config, MeshSpec.parse("data=8"), settings=TrainSettings(batch=batch))
     hier, records = run_pipeline(program, pipeline())  # the nodes are the processes
     flat, _ = run_pipeline(program, select_passes(pipeline(), disable=["hierarchical-grads"]))

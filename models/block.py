@@ -38,8 +38,9 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
         self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
 
-    def qkv(self, x_BLD, cos_BLK, sin_BLK):
-        """Rotated queries and keys, values; plus the side keys (`side_key_norm`) or the keys again."""
+    def qkv(self, x_BLD, cos_BLK=None, sin_BLK=None):
+        """Rotated queries and keys (unrotated without a rotary table: models with learned
+        positions), values; plus the side keys (`side_key_norm`) or the keys again."""
         h_BLD = self.attn_norm(x_BLD)
         q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
         raw_k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
@@ -48,10 +49,10 @@ class TransformerBlock(nn.Module):
         if self.qk_norm:
             q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(raw_k_BLNK)
         kv_axes = ("batch", "seq", "act_kv_heads", "head_dim")
-        q_BLHK = constrain(apply_rope(q_BLHK, cos_BLK, sin_BLK), ("batch", "seq", "act_heads", "head_dim"))
-        k_BLNK = constrain(apply_rope(k_BLNK, cos_BLK, sin_BLK), kv_axes)
-        side_k_BLNK = (constrain(apply_rope(self.side_k_norm(raw_k_BLNK), cos_BLK, sin_BLK), kv_axes)
-                       if self.side_key_norm else k_BLNK)
+        rotate = (lambda x: x) if cos_BLK is None else (lambda x: apply_rope(x, cos_BLK, sin_BLK))
+        q_BLHK = constrain(rotate(q_BLHK), ("batch", "seq", "act_heads", "head_dim"))
+        k_BLNK = constrain(rotate(k_BLNK), kv_axes)
+        side_k_BLNK = constrain(rotate(self.side_k_norm(raw_k_BLNK)), kv_axes) if self.side_key_norm else k_BLNK
         return q_BLHK, k_BLNK, constrain(v_BLNK, kv_axes), side_k_BLNK
 
     def finish(self, x_BLD, attn_BLHK):

@@ -14,7 +14,7 @@ from typing import Any, get_type_hints
 from xlaopt.errors import UserError
 
 # Modules whose import registers their variants; listed here so lookups see every family.
-_CONFIG_MODULES = ("xlaopt.models.cosmos3_config", "xlaopt.models.decoder")
+_CONFIG_MODULES = ("xlaopt.models.cosmos3_config", "xlaopt.models.decoder", "xlaopt.models.vit")
 _REGISTRY: dict[str, tuple[type, dict[str, Any]]] = {}
 
 

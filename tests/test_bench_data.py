@@ -47,7 +47,7 @@ def test_bench_runs_both_contenders_on_one_budget(store_dir):
     result = bench.run(str(store_dir), steps=steps, repeats=1, progress=lines.append, read_batches=2,
                        mesh="", settings=SMALL_MODEL, batch_size=4, disk_probe_mb=16)
     budget = result["tokens_per_step_budget"]
-    default = FAMILIES["cosmos3"].default_batch  # the row length `xlaopt train --data` uses
+    default = FAMILIES["cosmos3"].default_batch(None)  # the row length `xlaopt train --data` uses
     assert budget == 4 * (result["batch"]["text_len"] + result["batch"]["gen_len"]) == 4 * (default.text_len
                                                                                             + default.gen_len)
     for name in ("xlaopt", "grain"):

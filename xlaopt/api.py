@@ -64,7 +64,7 @@ def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None
     else:
         mesh_spec, rules = (mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)), DEFAULT_RULES
     if batch is None:
-        batch = family_of(config).default_batch
+        batch = family_of(config).default_batch(config)
     elif not isinstance(batch, BatchShape):
         batch = BatchShape(*batch)
     if not isinstance(execution, ExecutionConfig):

@@ -88,7 +88,7 @@ def _apply_global_batch(args, config) -> None:
 
         text, gen = get_mix(args.mix).row
     else:
-        default = family_of(config).default_batch
+        default = family_of(config).default_batch(config)
         text, gen = default.text_len, default.gen_len
     args.text_len, args.gen_len = split_budget(args.seq, text, gen)
 
@@ -318,7 +318,7 @@ def _program_on_devices(args):
     else:
         request_cpu_devices(mesh.num_devices)
     make_mesh(mesh)  # enough devices? say so before any compilation or data making
-    default = family_of(config).default_batch
+    default = family_of(config).default_batch(config)
     data = getattr(args, "data", "memory")  # only `train` reads data
     mix = getattr(args, "mix", None)  # `train` only
     if mix is not None:
@@ -514,7 +514,7 @@ def cmd_analyze(args) -> int:
     from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
     from xlaopt.analysis.priced_batch import mix_batch, store_batch
 
-    default = family_of(config).default_batch
+    default = family_of(config).default_batch(config)
     if args.mix is not None:  # rows of the budget the mix is weighted for, unless given
         from xlaopt.data.mixes import get_mix
 
@@ -583,13 +583,15 @@ def cmd_plan(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from xlaopt.program import TrainProgram
+    from xlaopt.families import family_of
+    from xlaopt.program import TrainProgram, TrainSettings
     from xlaopt.step import param_count
 
     rows = []
     for name in registered_models():
         c = get_config(name)
-        rows.append({"name": name, "family": c.family, "param_count": param_count(TrainProgram(c)), "d_model": c.d_model,
+        program = TrainProgram(c, settings=TrainSettings(family_of(c).default_batch(c)))
+        rows.append({"name": name, "family": c.family, "param_count": param_count(program), "d_model": c.d_model,
                      "num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                      "head_dim": c.head_dim, "mlp_dim": c.mlp_dim, "vocab_size": c.vocab_size})
     print(f"{'model':<16}{'params':>10}  {'d_model':>7} {'layers':>6} {'heads':>5} {'kv':>3} {'mlp':>6}")

@@ -7,15 +7,17 @@ training loop go through this table only, so a new model is one more entry.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec
+from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec, vit_batch_spec
 from xlaopt.data.synthetic_cosmos import SyntheticCosmos
+from xlaopt.data.synthetic_images import SyntheticImages
 from xlaopt.data.synthetic_text import SyntheticText
-from xlaopt.models import cosmos3, decoder, flops, objective
+from xlaopt.models import cosmos3, decoder, flops, objective, vit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Family:
     synthetic: Callable  # (config, BatchShape, seed) -> producer with .batch(i)
     segment_keys: tuple[str, ...]  # batch arrays whose nonzero entries are real tokens
     attention_calls: Callable  # host batch -> ((query Tokens, key Tokens), ...) of one layer's attentions
-    default_batch: BatchShape
+    default_batch: Callable  # config -> BatchShape
     # The step's random draws from a (micro-)batch and key, {name: array}, added to the batch
     # before the loss sees it; their logical axes as (name, axes) pairs.
     draws: Callable = lambda batch, key: {}
@@ -55,9 +57,12 @@ def _module(cls):
 FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
-                      BatchShape(8, 56, 104), objective.draws, objective.DRAW_AXES),
+                      lambda c: BatchShape(8, 56, 104), objective.draws, objective.DRAW_AXES),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
-                      SyntheticText, ("segment_ids_BT",), decoder.attention_calls, BatchShape(8, 128, 0)),
+                      SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0)),
+    "vit": Family("vit", _module(vit.ViT), vit_batch_spec, vit.loss_fn, vit.batch_train_flops,
+                  functools.partial(SyntheticImages, batch_spec=vit_batch_spec),
+                  ("segment_ids_BT",), vit.attention_calls, lambda c: BatchShape(8, c.tokens, 0)),
 }
 
 

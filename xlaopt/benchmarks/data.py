@@ -287,7 +287,7 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
     try:
         store = SampleStore(store_dir)
         config = get_config(model, settings)
-        default = family_of(config).default_batch
+        default = family_of(config).default_batch(config)
         stats = store.manifest["stats"]
         text, gen = row or split_budget(row_tokens or default.text_len + default.gen_len,
                                         stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])

@@ -2,7 +2,7 @@
 
 Cosmos 3 rows are [reasoner region of `text_len` tokens | generator region of `gen_len`
 tokens] (see `xlaopt.models.cosmos3`); decoder rows are `text_len` tokens of packed
-documents. Producers (synthetic now, the tensorstore loader later) emit exactly these arrays.
+documents; ViT rows are one image, whose token count (`text_len`) its config fixes. Producers (synthetic now, the tensorstore loader later) emit exactly these arrays.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.decoder import DecoderConfig
+from xlaopt.models.vit import ViTConfig
 
 Spec = dict[str, tuple[tuple[int, ...], np.dtype, tuple]]
 
@@ -55,3 +56,17 @@ def decoder_batch_spec(config: DecoderConfig, shape: BatchShape) -> Spec:
     B, T = shape.batch_size, shape.text_len
     i32 = np.dtype(np.int32)
     return {name: ((B, T), i32, ("batch", "seq")) for name in ("tokens_BT", "segment_ids_BT", "positions_BT")}
+
+
+def vit_batch_spec(config: ViTConfig, shape: BatchShape) -> Spec:
+    if shape.text_len != config.tokens or shape.gen_len:
+        raise UserError(f"{config.name}: a row is one {config.image_size} x {config.image_size} image, "
+                        f"{config.tokens} tokens ({config.patch_size} x {config.patch_size} patches), not "
+                        f"{shape.text_len} + {shape.gen_len}; "
+                        f"change the image with --set image_size=... or patch_size=..., not --seq/--text-len")
+    B, S, T = shape.batch_size, config.image_size, config.tokens
+    return {
+        "images_BHWC": ((B, S, S, config.channels), np.dtype(np.float32), ("batch", None, None, None)),
+        "labels_B": ((B,), np.dtype(np.int32), ("batch",)),
+        "segment_ids_BT": ((B, T), np.dtype(np.int32), ("batch", "seq")),
+    }

@@ -2,6 +2,7 @@
 
 The global batch defaults to a realistic one per family, never one short row per device:
   - decoder on GPUs: sequences of 8,192 tokens, 4 per device (llama3-70b on 16 x 8 H100: 512);
+  - ViT on GPUs: 32 images per device (ViT-B/16 on 16 x 8 H100: 4,096, the paper's batch);
   - Cosmos 3 on GPUs: rows of the mix's budget (default mix cosmos3-480p: 512 + 7,680 tokens), one
     row per device;
   - on a simulated CPU topology: the family's default batch (toy rows), grown to a multiple of
@@ -19,6 +20,7 @@ from xlaopt.errors import UserError
 
 DECODER_SEQ = 8192
 DECODER_ROWS_PER_DEVICE = 4
+IMAGES_PER_DEVICE = 32
 DEFAULT_MIX = "cosmos3-480p"
 
 
@@ -77,15 +79,17 @@ def plan_program(args, config, topology, old=None):
     mix = args.mix if args.mix is not None else (DEFAULT_MIX if cosmos and gpu and args.data is None else None)
     if mix is not None and not cosmos:
         raise UserError(f"--mix: mixes hold Cosmos 3 samples; {config.name} is planned on its synthetic stream")
-    default = family_of(config).default_batch
+    default = family_of(config).default_batch(config)
     if old is not None and old.batch is not None:
         default = old.batch
     elif gpu and cosmos:
         from xlaopt.data.mixes import get_mix
 
         default = BatchShape(n, *get_mix(mix).row) if mix else dataclasses.replace(default, batch_size=n)
-    elif gpu:
+    elif gpu and config.family == "decoder":
         default = BatchShape(DECODER_ROWS_PER_DEVICE * n, DECODER_SEQ, 0)
+    elif gpu:  # images: the config fixes the row
+        default = dataclasses.replace(default, batch_size=IMAGES_PER_DEVICE * n)
     else:
         default = dataclasses.replace(default, batch_size=analysis_batch_size(_data_mesh(n), default.batch_size, None))
     pick = lambda value, fallback: fallback if value is None else value

@@ -1,6 +1,7 @@
 """A registered model as the analytic cost model's shape (`xlaopt.analysis.analytic`).
 
-A decoder is a `DecoderShape`. Cosmos 3 is a Mixture-of-Transformers: every layer holds two
+A decoder is a `DecoderShape`; a ViT a one-tower `MoTShape` (bidirectional attention, its head
+scoring one pooled vector an image). Cosmos 3 is a Mixture-of-Transformers: every layer holds two
 towers' weights (each gathered and reduced whole by FSDP) while each token passes through one
 of them; its attention is what the packed rows' mask allows (or what the implementation
 executes of it), and its LM head runs on text tokens only. `MoTShape` says exactly that and
@@ -42,6 +43,10 @@ def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fra
                   kv_channels=config.head_dim)
     if config.family == "decoder":
         return DecoderShape(**common, tied_embeddings=config.tie_embeddings)
+    if config.family == "vit":  # one tower, every token sees its whole image, the head on one pooled vector an image
+        T = config.tokens
+        return MoTShape(**common, towers=1, attention_flops_per_row=4.0 * config.num_heads * config.head_dim * T * T,
+                        text_fraction=1.0 / T)
     if pairs_executed_per_row is None:
         raise ValueError("a Cosmos 3 shape needs the attention pairs its rows execute")
     return MoTShape(**common, attention_flops_per_row=4.0 * config.num_heads * config.head_dim * pairs_executed_per_row,
