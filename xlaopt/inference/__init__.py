@@ -1,0 +1,1 @@
+"""Sampling a trained generator: noise schedules and ODE integrators."""
