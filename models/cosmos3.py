@@ -51,6 +51,23 @@ def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
     return (tokens_T, tokens_T), (tokens_S.slice(T, tokens_S.segment_BL.shape[1]), tokens_S)
 
 
+def tower_fields(c: Cosmos3Config, dtype) -> dict:
+    """The `TransformerBlock` fields both towers share."""
+    return dict(d_model=c.d_model, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dtype)
+
+
+def reasoner_fields(c: Cosmos3Config, dtype) -> dict:
+    """The reasoner block's fields as `MoTLayer` builds it: what text decoding
+    (`xlaopt.inference.decode`) binds to the reasoner's parameters."""
+    return dict(tower_fields(c, dtype), qk_norm=c.reasoner_qk_norm, side_key_norm=c.reasoner_key_norm_for_generator)
+
+
+def rope_tables(c: Cosmos3Config, positions_3BL, inv_freq: tuple[float, ...] | None = None):
+    """cos, sin [B, L, K] of (t, h, w) positions under the config's mRoPE sections."""
+    return rope_cos_sin(positions_3BL, c.head_dim, c.mrope_sections, c.rope_theta, inv_freq)
+
+
 class MoTLayer(nn.Module):
     """One decoder layer: each token through its own tower, all tokens in one joint attention."""
     tower: dict  # TransformerBlock fields shared by both towers
@@ -185,11 +202,9 @@ class Cosmos3(nn.Module):
                          batch["gen_noisy_BV"], batch["gen_sigma_BV"])
 
         tokens_S = joint_tokens(text_seg_BT, gen_seg_BV)
-        rope = lambda pos: rope_cos_sin(pos, c.head_dim, c.mrope_sections, c.rope_theta, self.rope_inv_freq)
+        rope = lambda pos: rope_tables(c, pos, self.rope_inv_freq)
 
-        tower = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                     mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt)
-        layer = dict(tower=tower, attention=self.attention, reasoner_qk_norm=c.reasoner_qk_norm,
+        layer = dict(tower=tower_fields(c, dt), attention=self.attention, reasoner_qk_norm=c.reasoner_qk_norm,
                      reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator)
         x_BTD, x_BVD = LayerStack(MoTLayer, layer, c.num_layers, self.stack, name="layers")(
             (x_BTD, x_BVD), tokens_S, rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))

@@ -64,6 +64,19 @@ def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
     return ((tokens_T, tokens_T),)
 
 
+def block_fields(c: DecoderConfig, dtype) -> dict:
+    """The `TransformerBlock` fields of every layer: one definition for training and for
+    KV-cached decoding (`xlaopt.inference.decode`), which binds the same block."""
+    return dict(d_model=c.d_model, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dtype,
+                qk_norm=c.qk_norm)
+
+
+def rope_tables(c: DecoderConfig, positions_3BL):
+    """cos, sin [B, L, K] of 1-D positions (all three rows equal: every frequency follows row 0)."""
+    return rope_cos_sin(positions_3BL, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta, c.rope_inv_freq())
+
+
 class DecoderLayer(nn.Module):
     block: dict
     attention: AttentionSpec = AttentionSpec()
@@ -92,13 +105,9 @@ class Decoder(nn.Module):
         x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
                           ("batch", "seq", "act_embed"))
         tokens_T = document_tokens(seg_BT)
-        positions_3BT = jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape)
-        rope = rope_cos_sin(positions_3BT, c.head_dim, (c.head_dim // 2, 0, 0), c.rope_theta, c.rope_inv_freq())
-        block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                     mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt,
-                     qk_norm=c.qk_norm)
-        x_BTD = LayerStack(DecoderLayer, dict(block=block, attention=self.attention), c.num_layers, self.stack,
-                           name="layers")(x_BTD, tokens_T, rope)
+        rope = rope_tables(c, jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape))
+        layer = dict(block=block_fields(c, dt), attention=self.attention)
+        x_BTD = LayerStack(DecoderLayer, layer, c.num_layers, self.stack, name="layers")(x_BTD, tokens_T, rope)
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD)
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)

@@ -1,1 +1,1 @@
-"""Sampling a trained generator: noise schedules and ODE integrators."""
+"""Inference: KV-cached text decoding, and sampling a trained generator (noise schedules, ODE integrators)."""

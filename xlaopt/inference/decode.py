@@ -1,0 +1,273 @@
+"""KV-cached autoregressive text decoding for causal text towers: the decoder LLM
+(`models.decoder.Decoder`) and Cosmos 3's reasoner (`models.cosmos3.Cosmos3`, text only).
+
+Both towers decode the same way: embed the new tokens, then per layer `TransformerBlock.qkv`,
+append the keys and values to the cache, attend over the cache, `TransformerBlock.finish`;
+then the final norm and the LM head. They differ only in where their parameters sit and how
+they rotate, which a `Tower` says; the math is the model's own (its blocks and norms bound to
+its training parameters with `.apply`), so a trained checkpoint decodes as is, with no new
+parameters and no second copy of the layer code to drift from the training path.
+
+Prefill and decode are one function (`extend`: L new tokens onto a cache), compiled twice:
+once for the prompt's length, once for one token, the latter reused every step with the cache
+donated so XLA updates it in place. `Decoding.generate` runs the loop and reports compile and
+per-step wall times. Rows share one length (equal-length prompts): left-padding ragged
+prompts is not supported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaopt.errors import UserError
+from xlaopt.models import cosmos3, decoder
+from xlaopt.models.attention import attention
+from xlaopt.models.block import TransformerBlock
+from xlaopt.models.layers import RMSNorm, embedding_lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class Tower:
+    """What decoding needs to know of a causal text tower: its block's fields, where its
+    parameters sit in the model's tree, and its rotary tables of (t, h, w) positions."""
+    block: dict  # TransformerBlock fields, exactly as the model builds the block
+    layer_name: str  # the block's name under params["layers"]
+    final_norm: str
+    tied_head: bool  # LM head = embed_ED.T (else params["lm_head_DE"])
+    rope: Callable  # positions_3BL -> (cos_BLK, sin_BLK)
+    num_layers: int
+
+    @property
+    def dtype(self):
+        return self.block["dtype"]
+
+
+def decoder_tower(model: decoder.Decoder) -> Tower:
+    c = model.config
+    return Tower(decoder.block_fields(c, model.dtype), "block", "final_norm", c.tie_embeddings,
+                 lambda pos_3BL: decoder.rope_tables(c, pos_3BL), c.num_layers)
+
+
+def reasoner_tower(model: cosmos3.Cosmos3) -> Tower:
+    """Cosmos 3's reasoner alone: its queries read reasoner keys only, so text decodes without
+    the generator."""
+    c = model.config
+    return Tower(cosmos3.reasoner_fields(c, model.dtype), "reasoner", "reasoner_final_norm", False,
+                 lambda pos_3BL: cosmos3.rope_tables(c, pos_3BL, model.rope_inv_freq), c.num_layers)
+
+
+def tower_of(model) -> Tower:
+    if isinstance(model, decoder.Decoder):
+        return decoder_tower(model)
+    if isinstance(model, cosmos3.Cosmos3):
+        return reasoner_tower(model)
+    raise UserError(f"KV-cached decoding needs a Decoder or a Cosmos3 model, not {type(model).__name__}")
+
+
+class KVCache(NamedTuple):
+    """Rotated keys and values of every layer; positions >= `length` are unwritten."""
+    k_LBSNK: jax.Array
+    v_LBSNK: jax.Array
+    length: jax.Array  # int32 scalar: tokens cached, the same in every row
+
+    @property
+    def max_len(self) -> int:
+        return self.k_LBSNK.shape[2]
+
+
+def empty_cache(tower: Tower, batch: int, max_len: int) -> KVCache:
+    b = tower.block
+    shape = (tower.num_layers, batch, max_len, b["num_kv_heads"], b["head_dim"])
+    return KVCache(jnp.zeros(shape, tower.dtype), jnp.zeros(shape, tower.dtype), jnp.zeros((), jnp.int32))
+
+
+def _layer(tower: Tower, params_i, carry, rope, start):
+    """One layer over the new tokens: their keys and values join layer i's cache, and they
+    attend over it causally (a query at position p sees cached positions <= p)."""
+    x_BLD, k_LBSNK, v_LBSNK, i = carry
+    block = TransformerBlock(**tower.block)
+    q_BLHK, k_BLNK, v_BLNK, _ = block.apply({"params": params_i}, x_BLD, *rope, method="qkv")
+    k_LBSNK = jax.lax.dynamic_update_slice(k_LBSNK, k_BLNK[None].astype(k_LBSNK.dtype), (i, 0, start, 0, 0))
+    v_LBSNK = jax.lax.dynamic_update_slice(v_LBSNK, v_BLNK[None].astype(v_LBSNK.dtype), (i, 0, start, 0, 0))
+    B, L, S = x_BLD.shape[0], x_BLD.shape[1], k_LBSNK.shape[2]
+    mask_BLS = jnp.broadcast_to(jnp.arange(S)[None, :] <= start + jnp.arange(L)[:, None], (B, L, S))
+    attn_BLHK = attention(q_BLHK, k_LBSNK[i], v_LBSNK[i], mask_BLS)
+    return block.apply({"params": params_i}, x_BLD, attn_BLHK, method="finish"), k_LBSNK, v_LBSNK, i + 1
+
+
+def extend(tower: Tower, params, tokens_BL, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Next-token logits [B, E] (fp32) after the last of L new tokens, and the cache holding them.
+    The caller keeps `cache.length + L <= cache.max_len` (`Decoding` checks it up front): under
+    jit a write past the end cannot raise, XLA would clamp it onto the last slots."""
+    B, L = tokens_BL.shape
+    start = cache.length
+    x_BLD = embedding_lookup(params["embed_ED"], tokens_BL, "vocab").astype(tower.dtype)
+    positions_3BL = jnp.broadcast_to(start + jnp.arange(L, dtype=jnp.int32), (3, B, L))  # text: (p, p, p)
+    rope = tower.rope(positions_3BL)
+
+    # The whole cache rides in the scan's carry (not its xs/ys) so each layer's write can be an
+    # in-place dynamic-update-slice of the donated buffer (the compiled step aliases the cache
+    # input to its output) rather than a fresh stacked copy of every layer's cache.
+    def body(carry, params_i):
+        return _layer(tower, params_i, carry, rope, start), None
+
+    carry = (x_BLD, cache.k_LBSNK, cache.v_LBSNK, jnp.zeros((), jnp.int32))
+    (x_BLD, k_LBSNK, v_LBSNK, _), _ = jax.lax.scan(body, carry, params["layers"][tower.layer_name])
+    return lm_logits(tower, params, x_BLD[:, -1:])[:, 0], KVCache(k_LBSNK, v_LBSNK, start + L)
+
+
+def lm_logits(tower: Tower, params, x_BLD) -> jax.Array:
+    """Final norm and LM head, as the model's forward pass computes them (fp32 logits)."""
+    D = tower.block["d_model"]
+    h_BLD = RMSNorm(D, "embed", tower.block["norm_eps"]).apply({"params": params[tower.final_norm]}, x_BLD)
+    head_DE = params["embed_ED"].T if tower.tied_head else params["lm_head_DE"]
+    return jnp.einsum("bld,de->ble", h_BLD, head_DE.astype(tower.dtype), preferred_element_type=jnp.float32)
+
+
+def prefill(tower: Tower, params, prompt_BP, cache_len: int) -> tuple[jax.Array, KVCache]:
+    """Logits [B, E] after the prompt, and a cache of `cache_len` positions holding it."""
+    return extend(tower, params, prompt_BP, empty_cache(tower, prompt_BP.shape[0], cache_len))
+
+
+def decode_step(tower: Tower, params, token_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Logits [B, E] after one more token per row, and the cache with it appended."""
+    return extend(tower, params, token_B[:, None], cache)
+
+
+def pick(logits_BE, cache: KVCache, key, temperature, greedy: bool) -> jax.Array:
+    """The next token per row: argmax, or a draw at `temperature` from a key folded with the
+    position the token will take (so a key and a prompt fix the whole sample)."""
+    if greedy:
+        return jnp.argmax(logits_BE, axis=-1).astype(jnp.int32)
+    step_key = jax.random.fold_in(key, cache.length)
+    return jax.random.categorical(step_key, logits_BE / temperature, axis=-1).astype(jnp.int32)
+
+
+class Generation(NamedTuple):
+    tokens_BN: np.ndarray  # the new tokens, int32
+    logits_BNE: np.ndarray | None  # the logits each was picked from (keep_logits=True)
+    stats: dict  # prefill_compile_s, decode_compile_s (0 when cached), prefill_s, decode_step_s
+
+
+class Decoding:
+    """KV-cached generation for one model (`tower_of`): the prefill executable per (batch,
+    prompt length, cache length, mode) and the one-token decode executable per (batch, cache
+    length, mode) are compiled on first use and kept."""
+
+    def __init__(self, model):
+        self.tower = tower_of(model)
+        self._compiled: dict = {}
+        self._prefill = jax.jit(functools.partial(prefill, self.tower), static_argnums=(2,))
+        self._decode_step = jax.jit(functools.partial(decode_step, self.tower), donate_argnums=(2,))
+
+    def prefill(self, params, prompt_BP, cache_len: int) -> tuple[jax.Array, KVCache]:
+        """`prefill` jitted: logits [B, E] after the prompt, and its cache."""
+        _check_prompt(prompt_BP, cache_len, _vocab(params))
+        return self._prefill(nn.meta.unbox(params), jnp.asarray(prompt_BP, jnp.int32), cache_len)
+
+    def decode_step(self, params, token_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """`decode_step` jitted, the cache donated (do not read it again). Keep
+        `cache.length < cache.max_len`: checking it here would wait for the device each step."""
+        return self._decode_step(nn.meta.unbox(params), jnp.asarray(token_B, jnp.int32), cache)
+
+    def generate(self, params, prompt_BP, new_tokens: int, *, temperature: float | None = None, key=None,
+                 cache_len: int | None = None, keep_logits: bool = False) -> Generation:
+        """`new_tokens` tokens after `prompt_BP` [B, P]: greedy (temperature None) or sampled at
+        `temperature` with `key`. `cache_len` (default P + new_tokens) may be larger, so prompts
+        of other lengths reuse the decode executable."""
+        params, prompt_BP = nn.meta.unbox(params), np.asarray(prompt_BP)
+        cache_len = prompt_BP.shape[-1] + new_tokens if cache_len is None else cache_len
+        _check_generate(prompt_BP, new_tokens, cache_len, temperature, key, _vocab(params))
+        greedy = temperature is None
+        key = jax.random.key(0) if greedy else key  # unused by argmax; keeps one signature
+        temperature = jnp.float32(1.0 if greedy else temperature)
+        args = (params, jnp.asarray(prompt_BP, jnp.int32), key, temperature)
+        prefill_exe, prefill_compile_s = self._executable("prefill", _prefill_and_pick, args, cache_len, greedy)
+
+        t0 = time.perf_counter()
+        token_B, logits_BE, cache = prefill_exe(*args)
+        token_B.block_until_ready()
+        prefill_s = time.perf_counter() - t0
+        tokens, logits, step_s = [token_B], [logits_BE], []
+        decode_exe, decode_compile_s = (None, 0.0)
+        for _ in range(new_tokens - 1):
+            step_args = (params, token_B, cache, key, temperature)
+            if decode_exe is None:
+                decode_exe, decode_compile_s = self._executable("decode", _decode_and_pick, step_args, None, greedy)
+            t0 = time.perf_counter()
+            token_B, logits_BE, cache = decode_exe(*step_args)
+            token_B.block_until_ready()  # per-step wall time, not dispatch time
+            step_s.append(time.perf_counter() - t0)
+            tokens.append(token_B)
+            if keep_logits:
+                logits.append(logits_BE)
+        stats = dict(prefill_compile_s=prefill_compile_s, decode_compile_s=decode_compile_s, prefill_s=prefill_s,
+                     decode_step_s=step_s)
+        logits_BNE = np.stack([np.asarray(a) for a in logits], axis=1) if keep_logits else None
+        return Generation(np.stack([np.asarray(t) for t in tokens], axis=1), logits_BNE, stats)
+
+    def _executable(self, name: str, fn, args, cache_len, greedy: bool):
+        """(compiled fn, seconds spent compiling now): lowered ahead of time so compile time is
+        measured apart from the first step's run time."""
+        cache_key = (name, tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)), cache_len, greedy)
+        if cache_key in self._compiled:
+            return self._compiled[cache_key], 0.0
+        t0 = time.perf_counter()
+        if name == "prefill":
+            jitted = jax.jit(lambda p, prompt, k, t: fn(self.tower, p, prompt, k, t, cache_len, greedy))
+        else:  # the cache (argument 2) is donated: each step updates it in place
+            jitted = jax.jit(lambda p, tok, c, k, t: fn(self.tower, p, tok, c, k, t, greedy), donate_argnums=(2,))
+        exe = jitted.lower(*args).compile()
+        self._compiled[cache_key] = exe
+        return exe, time.perf_counter() - t0
+
+
+def _prefill_and_pick(tower, params, prompt_BP, key, temperature, cache_len, greedy):
+    logits_BE, cache = prefill(tower, params, prompt_BP, cache_len)
+    return pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache
+
+
+def _decode_and_pick(tower, params, token_B, cache, key, temperature, greedy):
+    logits_BE, cache = decode_step(tower, params, token_B, cache)
+    return pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache
+
+
+def _vocab(params) -> int:
+    return params["embed_ED"].shape[0]
+
+
+def _check_prompt(prompt_BP, cache_len: int, vocab: int) -> None:
+    if np.ndim(prompt_BP) != 2 or np.shape(prompt_BP)[1] < 1:
+        raise UserError(f"prompt of shape {np.shape(prompt_BP)}: give [batch, prompt_len] token ids with "
+                        f"prompt_len >= 1 (rows of equal length)")
+    ids = np.asarray(prompt_BP)
+    if ids.min() < 0 or ids.max() >= vocab:  # jnp.take would read NaN rows, not fail
+        raise UserError(f"prompt token ids span [{ids.min()}, {ids.max()}]; the vocabulary is [0, {vocab - 1}]")
+    if np.shape(prompt_BP)[1] > cache_len:
+        raise UserError(f"prompt of {np.shape(prompt_BP)[1]} tokens does not fit a cache of {cache_len}; "
+                        f"give cache_len >= {np.shape(prompt_BP)[1]}")
+
+
+def _check_generate(prompt_BP, new_tokens: int, cache_len: int, temperature, key, vocab: int) -> None:
+    if new_tokens < 1:
+        raise UserError(f"new_tokens={new_tokens}: generate at least 1 token")
+    _check_prompt(prompt_BP, cache_len, vocab)
+    P = prompt_BP.shape[1]
+    if P + new_tokens > cache_len:
+        raise UserError(f"prompt of {P} tokens + new_tokens={new_tokens} = {P + new_tokens} positions exceed "
+                        f"cache_len={cache_len}; give cache_len >= {P + new_tokens} or fewer new tokens")
+    if temperature is not None and not temperature > 0:
+        raise UserError(f"temperature={temperature}: sampling needs temperature > 0 (or temperature=None "
+                        f"for greedy decoding)")
+    if temperature is not None and key is None:
+        raise UserError("sampling (temperature set) needs a key: pass key=jax.random.key(seed)")
+    if temperature is None and key is not None:
+        raise UserError("a key was given but temperature is None (greedy decoding ignores keys); "
+                        "pass temperature > 0 to sample")
