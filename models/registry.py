@@ -14,7 +14,8 @@ from typing import Any, get_type_hints
 from xlaopt.errors import UserError
 
 # Modules whose import registers their variants; listed here so lookups see every family.
-_CONFIG_MODULES = ("xlaopt.models.cosmos3_config", "xlaopt.models.decoder", "xlaopt.models.vit")
+_CONFIG_MODULES = ("xlaopt.models.cosmos3_config", "xlaopt.models.decoder", "xlaopt.models.vit",
+                   "xlaopt.models.resnet")
 _REGISTRY: dict[str, tuple[type, dict[str, Any]]] = {}
 
 

@@ -98,6 +98,9 @@ class HierarchicalGrads:
         if program.execution.attention == "cudnn":
             return (f"attention=cudnn cannot run inside the pass's shard_map on jax {jax.__version__} (its custom "
                     f"partitioning fails Shardy's verifier there); use attention=segment")
+        if family_of(program.model).update_state is not None:
+            return ("the model keeps batch statistics: inside the pass's shard_map each device would normalise "
+                    "with its own rows' moments, not the whole batch's")
         if AXIS not in batch_axes(program):
             return "the rows are not split over the data axis"
         param_specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))

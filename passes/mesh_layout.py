@@ -45,7 +45,9 @@ class MeshLayout:
         for shape, axes in ctx.cache.activation_axes(program):
             logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
         scale_specs = jax.tree.map(lambda _: PartitionSpec(), state.loss_scale)  # scalars, replicated
-        shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs, scale_specs), batch_specs,
+        model_state_specs = jax.tree.map(lambda _: PartitionSpec(), state.model_state)  # per-channel vectors
+        shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs, scale_specs,
+                                                   model_state_specs), batch_specs,
                                         self.constrain_activations)
         new = program.replace(shardings=shardings)
         return PassResult(new, new != program, self._report(program, params, param_specs, use))

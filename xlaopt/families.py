@@ -13,11 +13,11 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec, vit_batch_spec
+from xlaopt.data.batch import BatchShape, cosmos3_batch_spec, decoder_batch_spec, resnet_batch_spec, vit_batch_spec
 from xlaopt.data.synthetic_cosmos import SyntheticCosmos
 from xlaopt.data.synthetic_images import SyntheticImages
 from xlaopt.data.synthetic_text import SyntheticText
-from xlaopt.models import cosmos3, decoder, flops, objective, vit
+from xlaopt.models import cosmos3, decoder, flops, objective, resnet, vit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,11 @@ class Family:
     # before the loss sees it; their logical axes as (name, axes) pairs.
     draws: Callable = lambda batch, key: {}
     draw_axes: tuple[tuple[str, tuple], ...] = ()
+    # Model state that is not a parameter (a ResNet's running batch-norm averages): its first
+    # value from the model's init variables, and each step's new value from the old and the
+    # step's metrics, whose entries it consumes: (config, state, metrics) -> (state, metrics).
+    init_state: Callable = lambda variables: None
+    update_state: Callable | None = None
 
     def with_draws(self, batch: dict, key) -> dict:
         return {**batch, **self.draws(batch, key)}
@@ -54,6 +59,15 @@ def _module(cls):
     return build
 
 
+def _resnet_module(config, execution):
+    return resnet.ResNet(config, jnp.dtype(execution.compute_dtype))
+
+
+def _resnet_update(config, running, metrics):
+    metrics = dict(metrics)
+    return resnet.update_running(running, metrics.pop(resnet.BATCH_MOMENTS), config.bn_momentum), metrics
+
+
 FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
@@ -63,6 +77,11 @@ FAMILIES = {
     "vit": Family("vit", _module(vit.ViT), vit_batch_spec, vit.loss_fn, vit.batch_train_flops,
                   functools.partial(SyntheticImages, batch_spec=vit_batch_spec),
                   ("segment_ids_BT",), vit.attention_calls, lambda c: BatchShape(8, c.tokens, 0)),
+    # A row is an image, one "token"; no attention.
+    "resnet": Family("resnet", _resnet_module, resnet_batch_spec, resnet.loss_fn, resnet.batch_train_flops,
+                     functools.partial(SyntheticImages, batch_spec=resnet_batch_spec), ("valid_B",),
+                     lambda batch: (), lambda c: BatchShape(8, 1, 0),
+                     init_state=lambda variables: variables["batch_stats"], update_state=_resnet_update),
 }
 
 

@@ -46,6 +46,9 @@ class TrainState(NamedTuple):
     # `xlaopt.loss_scale.LossScale` under float16; None (no leaves, so checkpoints of other
     # dtypes are unchanged) otherwise.
     loss_scale: Any = None
+    # The model's non-parameter state (`Family.init_state`: a ResNet's running batch-norm
+    # averages); None, no leaves, for the other families.
+    model_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

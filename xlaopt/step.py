@@ -140,20 +140,26 @@ def build_train_step(program: TrainProgram):
     scaled = loss_scale.uses_loss_scale(program.execution)
     interval = program.execution.loss_scale_growth_interval
 
+    family = family_of(program.model)
+
     def train_step(state: TrainState, batch, key):
         # Built inside the trace: under float16 it closes over this step's (traced) loss scale.
         grad_fn = build_grad_fn(program, state.loss_scale.value if scaled else None)
         loss, metrics, grads = grad_fn(state.params, batch, jax.random.fold_in(key, state.step))
+        model_state = state.model_state
+        if family.update_state is not None:
+            model_state, metrics = family.update_state(program.model, model_state, metrics)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         if not scaled:
-            return TrainState(state.step + 1, params, opt_state), metrics
+            return TrainState(state.step + 1, params, opt_state, None, model_state), metrics
         finite = loss_scale.all_finite(grads)
-        params, opt_state = loss_scale.keep_if(finite, (params, opt_state), (state.params, state.opt_state))
+        params, opt_state, model_state = loss_scale.keep_if(finite, (params, opt_state, model_state),
+                                                            (state.params, state.opt_state, state.model_state))
         metrics.update(loss_scale=state.loss_scale.value, skipped=(~finite).astype(jnp.float32))
         scale = loss_scale.next_scale(state.loss_scale, finite, interval)
-        return TrainState(state.step + 1, params, opt_state, scale), metrics
+        return TrainState(state.step + 1, params, opt_state, scale, model_state), metrics
 
     return train_step
 
@@ -161,10 +167,14 @@ def build_train_step(program: TrainProgram):
 def build_init(program: TrainProgram):
     model, opt = make_init_model(program), make_optimizer(program.settings)
 
+    family = family_of(program.model)
+
     def init(key) -> TrainState:
         batch = {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program).items()}
-        params = nn.meta.unbox(model.init(key, batch)["params"])
-        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), loss_scale.initial(program.execution))
+        variables = model.init(key, batch)
+        params = nn.meta.unbox(variables["params"])
+        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), loss_scale.initial(program.execution),
+                          family.init_state(variables))
 
     return init
 

@@ -2,7 +2,8 @@
 
 Cosmos 3 rows are [reasoner region of `text_len` tokens | generator region of `gen_len`
 tokens] (see `xlaopt.models.cosmos3`); decoder rows are `text_len` tokens of packed
-documents; ViT rows are one image, whose token count (`text_len`) its config fixes. Producers (synthetic now, the tensorstore loader later) emit exactly these arrays.
+documents; ViT rows are one image, whose token count (`text_len`) its config fixes; a ResNet's
+rows are one image each, counted as one token (`text_len` 1), so rows and tokens per second agree. Producers (synthetic now, the tensorstore loader later) emit exactly these arrays.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 from xlaopt.errors import UserError
 from xlaopt.models.cosmos3_config import Cosmos3Config
 from xlaopt.models.decoder import DecoderConfig
+from xlaopt.models.resnet import ResNetConfig
 from xlaopt.models.vit import ViTConfig
 
 Spec = dict[str, tuple[tuple[int, ...], np.dtype, tuple]]
@@ -69,4 +71,17 @@ def vit_batch_spec(config: ViTConfig, shape: BatchShape) -> Spec:
         "images_BHWC": ((B, S, S, config.channels), np.dtype(np.float32), ("batch", None, None, None)),
         "labels_B": ((B,), np.dtype(np.int32), ("batch",)),
         "segment_ids_BT": ((B, T), np.dtype(np.int32), ("batch", "seq")),
+    }
+
+
+def resnet_batch_spec(config: ResNetConfig, shape: BatchShape) -> Spec:
+    if shape.text_len != 1 or shape.gen_len:
+        raise UserError(f"{config.name}: a row is one {config.image_size} x {config.image_size} image, counted as one "
+                        f"token, not {shape.text_len} + {shape.gen_len}; change the image with --set image_size=..., "
+                        f"not --seq/--text-len")
+    B, S = shape.batch_size, config.image_size
+    return {
+        "images_BHWC": ((B, S, S, config.channels), np.dtype(np.float32), ("batch", None, None, None)),
+        "labels_B": ((B,), np.dtype(np.int32), ("batch",)),
+        "valid_B": ((B,), np.dtype(np.int32), ("batch",)),
     }
