@@ -224,3 +224,27 @@ ENTRY %main (p: f32[4]) -> f32[4] {
 """
     assert compute_inside_async(text, "all-to-all") == [1, 0]  # the fusion hides the first, nothing the second
     assert compute_inside_async(text, "all-gather") == []
+
+
+# XLA's GPU pipeline turns a convolution and its two gradients into cuDNN custom calls that keep
+# the forward's dim_labels (lines as a resnet50 gpu-aot compile prints them, backend configs cut).
+CUDNN_CONVS = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[8,32,32,16], w: bf16[32,3,3,16], dy: bf16[8,16,16,32]) -> bf16[8,32,32,16] {
+  %x = bf16[8,32,32,16]{3,2,1,0} parameter(0)
+  %w = bf16[32,3,3,16]{3,2,1,0} parameter(1)
+  %dy = bf16[8,16,16,32]{3,2,1,0} parameter(2)
+  %fwd = (bf16[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=3x3 stride=2x2 pad=0_1x0_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %fused = (bf16[8,16,16,32]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w, %dy), window={size=3x3 stride=2x2 pad=0_1x0_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBiasActivationForward"
+  %dx = (bf16[8,32,32,16]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %w), window={size=3x3 stride=2x2 pad=0_1x0_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %dw = (bf16[32,3,3,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy), window={size=3x3 stride=2x2 pad=0_1x0_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  ROOT %out = bf16[8,32,32,16]{3,2,1,0} get-tuple-element(%dx), index=0
+}
+"""
+
+
+def test_cudnn_convolutions_each_count_the_forward_flops():
+    """2 x output pixels (8 x 16 x 16) x output channels (32) x kernel area x input channels (3 x 3 x 16)."""
+    flops = {op.name: op.flops for op in build_schedule(CUDNN_CONVS).ops}
+    forward = 2 * 8 * 16 * 16 * 32 * 3 * 3 * 16
+    assert flops["fwd"] == flops["fused"] == flops["dx"] == flops["dw"] == forward

@@ -15,7 +15,8 @@ Each op carries:
   pairs as the groups), "copy-start" / "copy-done" (an async copy, `host_transfer` when one side
   is host memory), or "free" (parameter, constant, tuple plumbing, bitcast: no work);
 - flops: matmul FLOPs, per device, from shapes: a dot is 2 * prod(result dims) * prod(lhs
-  contracting dims); a convolution 2 * prod(result) * prod(kernel) / output features; a fusion the
+  contracting dims); a convolution 2 * prod(result) * prod(kernel) / output features (its cuDNN
+  custom calls, forward and both gradients, the same from the forward's shapes); a fusion the
   sum over the dots in its fused computation; a cuBLAS gemm custom call from its dot dimension
   numbers; a custom call of a name scope and target the caller gives FLOPs for (cuDNN's fused
   attention, which XLA counts as none), those, marked `fused_attention`. Elementwise arithmetic is not counted (it is memory-bound and priced by bytes);
@@ -174,17 +175,24 @@ class HloReader:
         return 2.0 * math.prod(out[0][1]) * contracting, lhs[0][0]
 
     def _convolution(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
+        """A convolution, or one of the cuDNN custom calls XLA's GPU pipeline rewrites it and its
+        gradients into. These keep the forward convolution's `dim_labels`, but their operands and
+        result play other parts: (input, kernel) -> output forward, (output grad, kernel) -> input
+        grad, (input, output grad) -> kernel grad; each does the forward's FLOPs."""
         if len(ins.operands) < 2:
             return 0.0, None
-        lhs = hlo.shape_dims(self.types[comp].get(ins.operands[0], ""))
-        rhs = hlo.shape_dims(self.types[comp].get(ins.operands[1], ""))
-        out = hlo.shape_dims(ins.result)
+        operand = lambda i: hlo.shape_dims(self.types[comp].get(ins.operands[i], ""))
+        result = hlo.shape_dims(ins.result)
+        target = re.search(r'custom_call_target="__cudnn\$conv(\w+)"', ins.attrs)
+        kind = target.group(1) if target else "Forward"  # convForward, or convBiasActivationForward: fused epilogue
+        kernel, out = {"BackwardInput": (operand(1), operand(0)),
+                       "BackwardFilter": (result, operand(1))}.get(kind, (operand(1), result))
         m = re.search(r"dim_labels=\w+_(\w+)->", ins.attrs)
-        if not rhs or not out or not m or "o" not in m.group(1):
+        if not kernel or not out or not m or "o" not in m.group(1):
             return 0.0, None
-        kernel = rhs[0][1]
-        per_output = math.prod(kernel) / kernel[m.group(1).index("o")]
-        return 2.0 * math.prod(out[0][1]) * per_output, lhs[0][0] if lhs else None
+        dims = kernel[0][1]
+        per_output = math.prod(dims) / dims[m.group(1).index("o")]
+        return 2.0 * math.prod(out[0][1]) * per_output, operand(0)[0][0] if operand(0) else None
 
     def _gemm_custom_call(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
         m = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', ins.attrs)
@@ -199,7 +207,7 @@ class HloReader:
         if ins.opcode == "dot":
             f, dtype = self._dot(comp, ins)
             return ((f,) if f else ()), dtype
-        if ins.opcode == "convolution":
+        if ins.opcode == "convolution" or (ins.opcode == "custom-call" and '"__cudnn$conv' in ins.attrs):
             f, dtype = self._convolution(comp, ins)
             return ((f,) if f else ()), dtype
         if ins.opcode == "custom-call" and any(f'custom_call_target="{t}"' in ins.attrs for t in _DOT_TARGETS):
