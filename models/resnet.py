@@ -65,6 +65,11 @@ class ResNetConfig:
         return 4 if self.block == "bottleneck" else 1
 
     @property
+    def features(self) -> int:
+        """The channels the classifier reads: the last stage's output."""
+        return self.width * 2 ** (len(self.stage_sizes) - 1) * self.expansion
+
+    @property
     def downsampling(self) -> int:
         return (4 if self.stem == "imagenet" else 1) * 2 ** (len(self.stage_sizes) - 1)
 
@@ -198,7 +203,7 @@ def forward_flops(c: ResNetConfig) -> float:
     output pixel) and the head; norms, pooling and additions are not counted, as is usual."""
     convs = [stem_conv(c)] + [conv for _, main, short in blocks(c) for conv in main + ([short] if short else [])]
     total = sum(2 * conv.kernel**2 * conv.c_in * conv.c_out * conv.out_size**2 for conv in convs)
-    return float(total + 2 * c.width * 2 ** (len(c.stage_sizes) - 1) * c.expansion * c.num_classes)
+    return float(total + 2 * c.features * c.num_classes)
 
 
 def batch_train_flops(c: ResNetConfig, batch: dict[str, np.ndarray]) -> float:

@@ -53,6 +53,33 @@ def test_cosmos3_analytic_shape_counts_the_model_flops():
     assert shape.layer_params == 2 * sum(shape.layer_matmuls())  # both towers' weights are gathered
 
 
+def test_a_cnn_is_planned_data_parallel_or_fsdp_sharded_only():
+    config = get_config("resnet50")
+    ok, rejected = enumerate_space(config, BatchShape(512, 1, 0), 16, 8, "dense", ("bfloat16",))
+    assert {c.kind for c in ok} == {"DP", "HSDP", "FSDP"} and {c.remat for c in ok} == {"none"}
+    assert {r.reason for r in rejected} == {
+        "a CNN has no heads, MLP or sequence to split: the rule table maps its channels to fsdp only",
+        "a CNN has no layer stack to recompute"}
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit-b16"])
+def test_image_models_analytic_shapes_count_the_model_flops(name):
+    """A ResNet's convolutions as layers of their mean size, a ViT as one tower over its patches:
+    the analytic forward FLOPs and parameters are the model's."""
+    from xlaopt import api
+    from xlaopt.families import family_of
+    from xlaopt.planning.shapes import analytic_shape
+    from xlaopt.step import param_count
+
+    c = get_config(name)
+    shape, row = analytic_shape(c), family_of(c).default_batch(c).text_len
+    analytic = (shape.layers * (shape.linear_forward_flops(row) + shape.attention_forward_flops(1, row))
+                + shape.head_forward_flops(row))
+    model = family_of(c).train_flops(c, family_of(c).synthetic(c, BatchShape(1, row, 0), 0).batch(0)) / 3
+    assert 0.99 < analytic / model < 1 + 1e-9  # ViT: the patch embedding is not a layer
+    assert 0.98 < shape.params / param_count(api.build_program(name)) < 1.02
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", "cosmos3-tiny"])
 def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_recomputation(model):
     """What the layer stack saves per token, traced from the jaxpr: the layer input alone under

@@ -167,9 +167,9 @@ class CompiledProgram:
 
 def check_batch_rows(program: TrainProgram, batch: dict) -> None:
     """attention=cudnn packs at most `attention_max_segments` samples a row (a static shape)."""
-    execution = program.execution
-    if execution.attention == "cudnn":
-        check_rows({k: batch[k] for k in family_of(program.model).segment_keys}, execution.attention_max_segments)
+    execution, family = program.execution, family_of(program.model)
+    if execution.attention == "cudnn" and family.attention_calls(batch):
+        check_rows({k: batch[k] for k in family.segment_keys}, execution.attention_max_segments)
 
 
 def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:

@@ -115,9 +115,10 @@ def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork
     mean_trips: dict[str, float] = {}
     fused: dict[str, dict[str, float]] = {}
     mean_fused: dict[str, dict[str, float]] = {}
-    if impl == "cudnn":
+    calls = family.attention_calls(batch)
+    if impl == "cudnn" and calls:
         check_rows({k: batch[k] for k in family.segment_keys}, program.execution.attention_max_segments)
-    for q, k in family.attention_calls(batch):
+    for q, k in calls:
         (B, L), S = q.segment_BL.shape, k.segment_BL.shape[1]
         needed += float(needed_pairs(q, k).sum())
         if impl == "segment":

@@ -128,6 +128,9 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
         baseline = _compiled_baseline(priced, topology, chosen, compile_one)
         if baseline is not None and baseline in fits and baseline not in chosen:
             chosen.append(baseline)  # compiled anyway, so ranked by its compiled price
+        replicated = _compiled_data_parallel(fits, chosen, hbm, compile_one)
+        if replicated is not None:
+            chosen.append(replicated)
         # The compiled few rank first, by their compiled price; the rest follow by the analytic one.
         tried = [p for p in fits if p.reason]  # compiled over memory, refused, or skipped by the memory scale
         compiled_fit = sorted((p for p in chosen if not p.reason), key=_rank_key)
@@ -199,6 +202,21 @@ def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, co
                         f"{hbm / 2**30:,.1f}: the analytic memory x{factor:.2f}, as far off as compiling "
                         f"remat={p.candidate.remat} showed")
     return chosen
+
+
+def _compiled_data_parallel(fits: list[Priced], chosen: list[Priced], hbm: float, compile_one) -> Priced | None:
+    """The best pure data-parallel candidate, compiled, where its replicated state fits and none
+    was compiled yet: a model small enough for it (a CNN, a ViT) is commonly run so, and the
+    analytic model prices its one all-reduce and FSDP's per-layer gathers alike when both hide
+    behind compute, which only the compiled schedule tells apart. Big models never fit it."""
+    if any(p.candidate.kind == "DP" for p in chosen):
+        return None
+    p = next((p for p in fits if p.candidate.kind == "DP" and not p.reason), None)
+    if p is None:
+        return None
+    compile_one(p)
+    _check_memory(p, hbm)
+    return p
 
 
 def _check_memory(p: Priced, hbm: float) -> None:

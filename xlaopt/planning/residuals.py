@@ -21,6 +21,7 @@ import functools
 
 import jax
 
+from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec
 from xlaopt.program import TrainProgram
 
@@ -51,6 +52,8 @@ def _stack_bytes(program: TrainProgram, remat: str, rows: int) -> int:
 def saved_bytes_per_token_layer(program: TrainProgram, compute_dtype: str) -> dict[str, float]:
     """{remat policy: bytes one layer saves per token of a row, unsharded}, in `compute_dtype`;
     cached per (model, row shape, execution)."""
+    if not hasattr(program.model, "num_layers"):
+        raise UserError(f"{program.model.name} has no layer stack whose residuals could be traced")
     base = program.replace(mesh=MeshSpec(), shardings=None,
                            execution=dataclasses.replace(program.execution, compute_dtype=compute_dtype))
     b, rows = base.settings.batch, base.model.num_layers + 1

@@ -6,13 +6,18 @@ towers' weights (each gathered and reduced whole by FSDP) while each token passe
 of them; its attention is what the packed rows' mask allows (or what the implementation
 executes of it), and its LM head runs on text tokens only. `MoTShape` says exactly that and
 nothing else differs, so the collectives, recomputation and pipeline model are shared.
+
+A ResNet is a `ConvShape`: its convolutions as that many "layers" of their mean size (a token is
+an image), which is what the step model needs to price data parallelism and FSDP (FLOPs, the
+parameters each layer gathers and reduces, the activations each keeps); the per-layer spread
+of real sizes is left to the compiled price of the few best candidates.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
-from xlaopt.analysis.analytic import DecoderShape
+from xlaopt.analysis.analytic import _BF16_BYTES, DecoderShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +40,55 @@ class MoTShape(DecoderShape):
         return 2.0 * tokens * self.text_fraction * self.d_model * self.vocab
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvShape(DecoderShape):
+    """`layers` convolutions; `d_model` their mean output elements an image (what one layer's
+    activation holds, as a transformer's d_model does a token's); no attention."""
+    conv_params: int = 0
+    conv_flops: float = 0.0  # forward, an image, all convolutions
+    head_in: int = 0  # the pooled features the classifier reads
+
+    def __post_init__(self):
+        pass  # no heads to divide
+
+    @functools.cached_property
+    def layer_params(self) -> int:
+        return self.conv_params // self.layers
+
+    @property
+    def embedding_params(self) -> int:
+        return self.head_in * self.vocab
+
+    def linear_forward_flops(self, tokens: float) -> float:
+        return tokens * self.conv_flops / self.layers
+
+    def attention_forward_flops(self, sequences: float, seq_len: int) -> float:
+        return 0.0
+
+    def head_forward_flops(self, tokens: float) -> float:
+        return 2.0 * tokens * self.head_in * self.vocab
+
+    def elementwise_forward_bytes_per_token(self, fused: bool) -> float:
+        # Batch norm (its statistics, then the normalisation fused with the ReLU and any residual
+        # add): the output read twice and written once, in bf16.
+        return 3 * _BF16_BYTES * self.d_model
+
+
+def conv_shape(config) -> ConvShape:
+    from xlaopt.models.resnet import blocks, forward_flops, stem_conv
+
+    convs = [stem_conv(config)] + [c for _, main, short in blocks(config) for c in main + ([short] if short else [])]
+    head_in = config.features
+    return ConvShape(layers=len(convs), d_model=sum(c.out_size**2 * c.c_out for c in convs) // len(convs), heads=1,
+                     kv_heads=1, ffn=0, vocab=config.num_classes, mlp="gelu", kv_channels=1,
+                     conv_params=sum(c.kernel**2 * c.c_in * c.c_out for c in convs),
+                     conv_flops=forward_flops(config) - 2.0 * head_in * config.num_classes, head_in=head_in)
+
+
 def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fraction: float = 1.0) -> DecoderShape:
     """The shape of a registered config. Cosmos 3 needs the priced rows' attention pairs."""
+    if config.family == "resnet":
+        return conv_shape(config)
     mlp = "swiglu" if config.mlp_activation == "swiglu" else "gelu"  # relu2 and gelu: two matmuls
     common = dict(layers=config.num_layers, d_model=config.d_model, heads=config.num_heads,
                   kv_heads=config.num_kv_heads, ffn=config.mlp_dim, vocab=config.vocab_size, mlp=mlp,

@@ -70,8 +70,9 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
     ok: list[Candidate] = []
     rejected: list[Rejected] = []
     row_lengths = [n for n in (batch.text_len, batch.gen_len) if n > 0]
-    tensor_dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.mlp_dim,
-                   "vocab": config.vocab_size}
+    tensor_dims = ({} if config.family == "resnet" else
+                   {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.mlp_dim,
+                    "vocab": config.vocab_size})
     for tp in (t for t in _divisors(devices_per_node) if num_devices % t == 0):
         for cp in (c for c in _divisors(devices_per_node // tp) if num_devices % (tp * c) == 0):
             data = num_devices // (tp * cp)
@@ -83,7 +84,8 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                     for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
                         for dtype in precisions:
                             c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype)
-                            (rejected.append(Rejected(c, reason)) if reason else ok.append(c))
+                            why = reason or _remat_reason(config, remat)
+                            (rejected.append(Rejected(c, why)) if why else ok.append(c))
     return ok, rejected
 
 
@@ -92,6 +94,8 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, tensor_dims: dic
     """Why the candidate cannot be built at all, or ''."""
     if batch.batch_size % c.data:
         return f"the global batch of {batch.batch_size} rows does not split over {c.data} data ranks"
+    if config.family == "resnet":
+        return _conv_reason(c, config)
     bad = [f"{name} {n}" for name, n in tensor_dims.items() if n % c.tp]
     if bad:
         return f"tensor={c.tp} does not divide {', '.join(bad)}"
@@ -103,4 +107,17 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, tensor_dims: dic
                     "the segment loop that can split it is far slower on a GPU")
         if any(n % c.cp for n in row_lengths):
             return f"context={c.cp} does not divide the row's {' + '.join(map(str, row_lengths))} tokens"
+    return ""
+
+
+def _remat_reason(config, remat: str) -> str:
+    return "a CNN has no layer stack to recompute" if config.family == "resnet" and remat != "none" else ""
+
+
+def _conv_reason(c: Candidate, config) -> str:
+    """A CNN here is data parallel, its parameters at most FSDP-sharded along their output channels."""
+    if c.tp > 1 or c.cp > 1:
+        return "a CNN has no heads, MLP or sequence to split: the rule table maps its channels to fsdp only"
+    if config.width % c.fsdp:
+        return f"fsdp={c.fsdp} does not divide the first stage's {config.width} channels"
     return ""
