@@ -68,29 +68,52 @@ def rope_tables(c: Cosmos3Config, positions_3BL, inv_freq: tuple[float, ...] | N
     return rope_cos_sin(positions_3BL, c.head_dim, c.mrope_sections, c.rope_theta, inv_freq)
 
 
+def layer_fields(c: Cosmos3Config, dtype, attention: AttentionSpec) -> dict:
+    """`MoTLayer`'s fields as `Cosmos3` builds its layers."""
+    return dict(tower=tower_fields(c, dtype), attention=attention, reasoner_qk_norm=c.reasoner_qk_norm,
+                reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator)
+
+
 class MoTLayer(nn.Module):
-    """One decoder layer: each token through its own tower, all tokens in one joint attention."""
+    """One decoder layer: each token through its own tower, all tokens in one joint attention.
+
+    The layer is its two halves in sequence: the reasoner's (which reads reasoner tokens only)
+    and the generator's (which reads the reasoner's keys and values besides its own). Sampling
+    calls them apart (`reasoner_half` once per prompt, `generator_half` every denoising step);
+    training calls the layer, which is exactly the two in turn."""
     tower: dict  # TransformerBlock fields shared by both towers
     attention: AttentionSpec = AttentionSpec()
     reasoner_qk_norm: bool = True
     reasoner_key_norm_for_generator: bool = False
 
-    @nn.compact
+    def setup(self):
+        self.reasoner = TransformerBlock(**self.tower, qk_norm=self.reasoner_qk_norm,
+                                         side_key_norm=self.reasoner_key_norm_for_generator)
+        self.generator = TransformerBlock(**self.tower)
+
     def __call__(self, carry, tokens_S, rope_T, rope_V):
         x_BTD, x_BVD = carry
-        reasoner = TransformerBlock(name="reasoner", **self.tower, qk_norm=self.reasoner_qk_norm,
-                                    side_key_norm=self.reasoner_key_norm_for_generator)
-        generator = TransformerBlock(name="generator", **self.tower)
-        # Generator queries read the reasoner's keys through its side norm when it has one.
-        q_BTHK, k_BTNK, v_BTNK, k_for_gen_BTNK = reasoner.qkv(x_BTD, *rope_T)
-        q_BVHK, k_BVNK, v_BVNK, _ = generator.qkv(x_BVD, *rope_V)
-        k_BSNK = jnp.concatenate([k_for_gen_BTNK, k_BVNK], axis=1)
-        v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
         T = x_BTD.shape[1]
         tokens_T, tokens_V = tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1])
+        x_BTD, reasoner_kv = self.reasoner_half(x_BTD, tokens_T, rope_T)
+        return x_BTD, self.generator_half(x_BVD, reasoner_kv, tokens_V, tokens_S, rope_V)
+
+    def reasoner_half(self, x_BTD, tokens_T, rope_T):
+        """The reasoner tokens' layer output, and (keys, values) [B, T, N, K] the generator's
+        queries read of them: the keys through the side norm when the reasoner has one."""
+        q_BTHK, k_BTNK, v_BTNK, k_for_gen_BTNK = self.reasoner.qkv(x_BTD, *rope_T)
         attn_BTHK = self.attention(q_BTHK, k_BTNK, v_BTNK, tokens_T, tokens_T)
+        return self.reasoner.finish(x_BTD, attn_BTHK), (k_for_gen_BTNK, v_BTNK)
+
+    def generator_half(self, x_BVD, reasoner_kv, tokens_V, tokens_S, rope_V):
+        """The generator tokens' layer output: their queries over the row's keys, the reasoner's
+        (`reasoner_kv`, from `reasoner_half`) then their own."""
+        k_for_gen_BTNK, v_BTNK = reasoner_kv
+        q_BVHK, k_BVNK, v_BVNK, _ = self.generator.qkv(x_BVD, *rope_V)
+        k_BSNK = jnp.concatenate([k_for_gen_BTNK, k_BVNK], axis=1)
+        v_BSNK = jnp.concatenate([v_BTNK, v_BVNK], axis=1)
         attn_BVHK = self.attention(q_BVHK, k_BSNK, v_BSNK, tokens_V, tokens_S)
-        return reasoner.finish(x_BTD, attn_BTHK), generator.finish(x_BVD, attn_BVHK)
+        return self.generator.finish(x_BVD, attn_BVHK)
 
 
 def timestep_features(sigma: jax.Array, dim: int) -> jax.Array:
@@ -204,9 +227,8 @@ class Cosmos3(nn.Module):
         tokens_S = joint_tokens(text_seg_BT, gen_seg_BV)
         rope = lambda pos: rope_tables(c, pos, self.rope_inv_freq)
 
-        layer = dict(tower=tower_fields(c, dt), attention=self.attention, reasoner_qk_norm=c.reasoner_qk_norm,
-                     reasoner_key_norm_for_generator=c.reasoner_key_norm_for_generator)
-        x_BTD, x_BVD = LayerStack(MoTLayer, layer, c.num_layers, self.stack, name="layers")(
+        x_BTD, x_BVD = LayerStack(MoTLayer, layer_fields(c, dt, self.attention), c.num_layers, self.stack,
+                                  name="layers")(
             (x_BTD, x_BVD), tokens_S, rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 
         h_BTD = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD)
@@ -216,3 +238,54 @@ class Cosmos3(nn.Module):
         h_BVD = RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD)
         pred_BVC = io.predict(h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"])
         return logits_BTE, pred_BVC
+
+
+# ---- the two towers apart, for sampling: one-way flow (reasoner -> generator) means the
+# reasoner's keys and values of a prompt do not depend on the generator tokens, so a sampler
+# computes them once (`reasoner_kv`) and runs only the generator at each denoising step
+# (`generator_given_kv`). Both bind the model's own `MoTLayer` halves to its trained parameters:
+# `Cosmos3.__call__` computes the same two halves layer by layer.
+
+
+def reasoner_kv(model: Cosmos3, params, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """The reasoner tower alone over the text region: per layer the keys the generator's queries
+    read (side-normed in the Edge variant) and the values, each [L, B, T, N, K] in the compute
+    dtype. Reads `text_tokens_BT`, `text_segment_ids_BT`, `text_positions_3BT` of `batch`."""
+    c, dt = model.config, model.dtype
+    text_seg_BT = batch["text_segment_ids_BT"]
+    x_BTD = constrain(embedding_lookup(params["embed_ED"], batch["text_tokens_BT"], "vocab").astype(dt),
+                      ("batch", "seq", "act_embed"))
+    tokens_T = Tokens.of(text_seg_BT, jnp.zeros(text_seg_BT.shape, bool))  # = joint_tokens(...).slice(0, T)
+    rope_T = rope_tables(c, batch["text_positions_3BT"], model.rope_inv_freq)
+    layer = MoTLayer(**layer_fields(c, dt, model.attention))
+
+    def body(x_BTD, params_i):
+        return layer.apply({"params": params_i}, x_BTD, tokens_T, rope_T, method="reasoner_half")
+
+    _, (k_LBTNK, v_LBTNK) = jax.lax.scan(body, x_BTD, {"reasoner": params["layers"]["reasoner"]})
+    return k_LBTNK, v_LBTNK
+
+
+def generator_given_kv(model: Cosmos3, params, batch: dict, gen_inputs_BVC: jax.Array, k_LBTNK: jax.Array,
+                       v_LBTNK: jax.Array) -> jax.Array:
+    """Generator predictions [B, V, C] (fp32), as `Cosmos3.__call__` returns them, from the
+    reasoner's keys and values (`reasoner_kv`) instead of the text. Reads `text_segment_ids_BT`
+    (whose sample each cached key belongs to) and the generator region's fields of `batch`; of
+    `params`, only the generator's (the reasoner's weights and the embedding are not touched)."""
+    c, dt = model.config, model.dtype
+    io, io_params = GeneratorIO(c, dt), {"params": params["generator_io"]}
+    x_BVD = io.apply(io_params, gen_inputs_BVC, batch["gen_modality_BV"], batch["gen_action_domain_BV"],
+                     batch["gen_noisy_BV"], batch["gen_sigma_BV"], method="embed")
+    tokens_S = joint_tokens(batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"])
+    tokens_V = tokens_S.slice(k_LBTNK.shape[2], tokens_S.segment_BL.shape[1])
+    rope_V = rope_tables(c, batch["gen_positions_3BV"], model.rope_inv_freq)
+    layer = MoTLayer(**layer_fields(c, dt, model.attention))
+
+    def body(x_BVD, xs):
+        params_i, k_BTNK, v_BTNK = xs
+        return layer.apply({"params": params_i}, x_BVD, (k_BTNK, v_BTNK), tokens_V, tokens_S, rope_V,
+                           method="generator_half"), None
+
+    x_BVD, _ = jax.lax.scan(body, x_BVD, ({"generator": params["layers"]["generator"]}, k_LBTNK, v_LBTNK))
+    h_BVD = RMSNorm(c.d_model, "embed", c.norm_eps).apply({"params": params["generator_final_norm"]}, x_BVD)
+    return io.apply(io_params, h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"], method="predict")

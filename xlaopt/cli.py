@@ -178,6 +178,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT")
+    p = sub.add_parser("generate", help="sample from a model (its own random init): Cosmos 3 video by rectified flow "
+                                        "with the reasoner's K/V cached (timed against uncached), or text by "
+                                        "KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
+    _model_args(p)
+    p.add_argument("--mesh", default="", help="one device only for now (sharded inference is not supported yet)")
+    p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (its mesh must "
+                                                                   "be one device; its batch and execution apply)")
+    p.add_argument("--dtype", default=None, help="compute dtype (default: the layout's, else float32)")
+    p.set_defaults(default_dtype="float32")
+    p.add_argument("--batch-size", type=int, default=None, help="prompts, one sample each (default 1)")
+    p.add_argument("--prompt", default=None, metavar="IDS", help="comma-separated token ids for every row "
+                                                                 "(default: random ids of --prompt-len from --seed)")
+    p.add_argument("--prompt-len", type=int, default=None, help="tokens of the random prompt (default 16)")
+    p.add_argument("--text-len", type=int, default=None,
+                   help="the reasoner's cache positions: video: the text region (default: the prompt's length); "
+                        "text: the KV cache (default: prompt + new tokens)")
+    p.add_argument("--seed", type=int, default=0, help="parameters, prompt and noise")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
+    video = p.add_argument_group("video (Cosmos 3)")
+    video.add_argument("--gen-len", type=int, default=None,
+                       help="generator (video latent) tokens per clip (default 64)")
+    video.add_argument("--frames", type=int, default=None, help="latent frames of the clip (default: 4, 2 or 1, "
+                                                                "whichever divides --gen-len first)")
+    video.add_argument("--steps", type=int, default=None, help="denoising steps (default 10)")
+    video.add_argument("--guidance", type=float, default=None,
+                       help="classifier-free guidance scale in [1, 20] (default 3; 1: no guidance, one branch)")
+    video.add_argument("--sampler", default=None, choices=("euler", "heun"), help="default euler")
+    video.add_argument("--shift", type=float, default=None, help="sigma schedule shift (default 3, the synthetic "
+                                                                 "data's training shift)")
+    text = p.add_argument_group("text")
+    text.add_argument("--decode-text", action="store_true", help="Cosmos 3: decode reasoner text instead of video")
+    text.add_argument("--new-tokens", type=int, default=None, help="tokens to decode (default 16)")
+    text.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default greedy)")
     p = sub.add_parser("models", help="registered models with parameter counts")
     p.add_argument("--json", default=None, metavar="OUT")
     sub.add_parser("passes", help="the pass pipeline, in order")
@@ -582,6 +615,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from xlaopt.runtime.generate import format_generation, generate
+
+    result = generate(args, _layout)
+    print(format_generation(result))
+    _write_json(args.json, result)
+    return 0
+
+
 def cmd_models(args) -> int:
     from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
@@ -743,7 +785,8 @@ def cmd_bench(args) -> int:
 _COMMANDS = {"train": cmd_train, "verify": cmd_verify, "inspect": cmd_inspect, "analyze": cmd_analyze, "plan": cmd_plan,
              "models": cmd_models,
              "passes": cmd_passes, "data": cmd_data, "ckpt": cmd_ckpt, "bench": cmd_bench,
-             "calibrate": cmd_calibrate, "parity": cmd_parity, "import-weights": cmd_import_weights}
+             "calibrate": cmd_calibrate, "parity": cmd_parity, "import-weights": cmd_import_weights,
+             "generate": cmd_generate}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,174 @@
+"""`xlaopt generate`: sample from a registered model with randomly initialised parameters (its
+own init, seeded; no trained checkpoint is embedded), to measure and check the inference paths.
+
+Two modes:
+  video  Cosmos 3 only: rectified-flow sampling of one video clip per prompt through
+         `xlaopt.inference.sample_cosmos` with the reasoner's K/V cached, classifier-free
+         guidance in one batch of both branches; then the same steps uncached (the full model
+         every step) from the same noise, reported as a speedup and a max difference.
+  text   KV-cached decoding (`xlaopt.inference.decode.Decoding`): decoder LLMs always, Cosmos 3's
+         reasoner with --decode-text.
+Options of the other mode, a model with neither path (ViT), or a mesh of more than one device
+(sharded inference is not supported yet) end in one-line UserErrors.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaopt.errors import UserError
+from xlaopt.models.registry import get_config, parse_overrides
+
+# Defaults of the options whose argparse default is None (None: "not given", so a mode can
+# refuse the other mode's options).
+VIDEO_DEFAULTS = dict(steps=10, guidance=3.0, sampler="euler", shift=None, gen_len=64, frames=None)
+TEXT_DEFAULTS = dict(new_tokens=16, temperature=None)
+PROMPT_LEN = 16
+
+
+def _given(args, names) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
+
+
+def choose_mode(config, args) -> str:
+    """'video' or 'text' for this model and these options, or a UserError saying why neither."""
+    video_opts, text_opts = _given(args, VIDEO_DEFAULTS), _given(args, TEXT_DEFAULTS)
+    if config.family == "cosmos3" and not args.decode_text:
+        if text_opts:
+            raise UserError(f"{', '.join(text_opts)}: text decoding options; add --decode-text to decode "
+                            f"{config.name}'s reasoner text instead of sampling video")
+        return "video"
+    if config.family not in ("cosmos3", "decoder"):
+        raise UserError(f"{config.name} ({config.family}) has no generator to sample and no text head to "
+                        f"decode; generate works with Cosmos 3 (video, or --decode-text) and decoder LLMs (text)")
+    if video_opts and config.family == "decoder":
+        raise UserError(f"{config.name} has no generator tower: it cannot sample video ({', '.join(video_opts)}); "
+                        f"decode text with --new-tokens N")
+    if video_opts:
+        raise UserError(f"{', '.join(video_opts)}: video sampling options, but --decode-text decodes "
+                        f"{config.name}'s reasoner text; drop one or the other")
+    return "text"
+
+
+def _model(config, layout, dtype: str):
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.families import family_of
+
+    execution = dataclasses.replace(layout.execution or ExecutionConfig(), compute_dtype=dtype)
+    return family_of(config).module(config, execution)
+
+
+def _init_params(model, batch: dict, seed: int):
+    """The model's own initialisation, seeded (parameters do not depend on the batch's shape)."""
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), batch))["params"]
+
+
+def _prompts(args, config, rows: int) -> np.ndarray:
+    """[rows, P] token ids: --prompt's (every row the same) or random ids of --prompt-len drawn from --seed."""
+    if args.prompt is not None:
+        try:
+            ids = [int(t) for t in args.prompt.split(",") if t.strip()]
+        except ValueError:
+            raise UserError(f"--prompt {args.prompt!r}: give comma-separated token ids, e.g. 5,17,300") from None
+        return np.tile(np.asarray(ids, np.int32), (rows, 1))
+    length = PROMPT_LEN if args.prompt_len is None else args.prompt_len
+    if length < 1:
+        raise UserError(f"--prompt-len {length}: a prompt needs at least one token")
+    return np.random.default_rng(args.seed).integers(0, config.vocab_size, (rows, length)).astype(np.int32)
+
+
+def generate(args, layout_of) -> dict:
+    """The command's result; `layout_of(args)` is the CLI's --mesh/--layout reader, called after the
+    mode is chosen (a layout file's batch fills options the user left unset)."""
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    mode = choose_mode(config, args)
+    layout = layout_of(args)
+    if layout.mesh.num_devices != 1:
+        raise UserError(f"mesh {layout.mesh}: sharded inference is not supported yet; generate runs on one "
+                        f"device (drop --mesh, or give a layout whose mesh is one device)")
+    rows = 1 if args.batch_size is None else args.batch_size
+    if rows < 1:
+        raise UserError(f"--batch-size {rows}: need at least one row")
+    model = _model(config, layout, args.dtype)
+    prompt_BP = _prompts(args, config, rows)
+    common = dict(model=config.name, family=config.family, mode=mode, dtype=args.dtype, batch_size=rows,
+                  prompt_len=int(prompt_BP.shape[1]), seed=args.seed, mesh=layout.mesh.as_dict())
+    run = generate_video if mode == "video" else generate_text
+    return common | run(args, config, model, prompt_BP)
+
+
+def generate_video(args, config, model, prompt_BP) -> dict:
+    from xlaopt.data.synthetic_cosmos import RESOLUTION_SHIFT
+    from xlaopt.inference import sample_cosmos as sc
+    from xlaopt.inference.flow_schedule import FlowSchedule
+
+    o = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in VIDEO_DEFAULTS.items()}
+    # The sampling shift defaults to the one the synthetic data's sigmas are trained at (256p).
+    shift = RESOLUTION_SHIFT if o["shift"] is None else o["shift"]
+    schedule = FlowSchedule(o["steps"], shift)  # refuses a bad step count or shift
+    order = sc.SAMPLERS[o["sampler"]]
+    text_len = prompt_BP.shape[1] if args.text_len is None else args.text_len
+    request = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
+                               o["guidance"])
+    params = _init_params(model, request.batch, args.seed)
+    x_T_BVC = request.noise(config, jax.random.key(args.seed + 1))
+    sampler = sc.CosmosSampler(model)
+    cached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=True)
+    uncached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=False)
+    pick = lambda s: {k: s[k] for k in ("compile_s", "prefill_compile_s", "step_compile_s", "prefill_s",
+                                        "wall_per_step_s", "total_s", "model_calls", "step_s")}
+    return dict(
+        steps=o["steps"], sampler=o["sampler"], shift=shift, guidance=request.guidance, cfg=request.cfg,
+        text_len=text_len, gen_len=int(np.prod(request.grid)), grid=list(request.grid),
+        rows_per_step=request.batch["text_tokens_BT"].shape[0],
+        output_shapes={"latents_BVC": list(cached.x0_BVC.shape)},
+        compile_s=cached.stats["compile_s"], wall_per_step_s=cached.stats["wall_per_step_s"],
+        prefill_s=cached.stats["prefill_s"],
+        speedup_vs_uncached=uncached.stats["wall_per_step_s"] / cached.stats["wall_per_step_s"],
+        max_abs_diff_vs_uncached=float(np.abs(cached.x0_BVC - uncached.x0_BVC).max()),
+        latents_mean=float(cached.x0_BVC.mean()), latents_std=float(cached.x0_BVC.std()),
+        cached=pick(cached.stats), uncached=pick(uncached.stats))
+
+
+def generate_text(args, config, model, prompt_BP) -> dict:
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.families import family_of
+    from xlaopt.inference.decode import Decoding
+
+    o = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in TEXT_DEFAULTS.items()}
+    rows, P = prompt_BP.shape
+    spec = family_of(config).batch_spec(config, BatchShape(rows, P, 1 if config.family == "cosmos3" else 0))
+    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, args.seed)
+    key = None if o["temperature"] is None else jax.random.key(args.seed)
+    out = Decoding(model).generate(params, prompt_BP, o["new_tokens"], temperature=o["temperature"], key=key,
+                                   cache_len=args.text_len)
+    s = out.stats
+    step_s = s["decode_step_s"]
+    return dict(new_tokens=o["new_tokens"], temperature=o["temperature"], greedy=o["temperature"] is None,
+                cache_len=P + o["new_tokens"] if args.text_len is None else args.text_len,
+                output_shapes={"tokens_BN": list(out.tokens_BN.shape)}, tokens=out.tokens_BN.tolist(),
+                compile_s=s["prefill_compile_s"] + s["decode_compile_s"], prefill_compile_s=s["prefill_compile_s"],
+                decode_compile_s=s["decode_compile_s"], prefill_s=s["prefill_s"],
+                wall_per_step_s=float(np.median(step_s)) if step_s else None, step_s=step_s)
+
+
+def format_generation(r: dict) -> str:
+    if r["mode"] == "text":
+        how = "greedy" if r["greedy"] else f"temperature {r['temperature']:g}"
+        per = "" if r["wall_per_step_s"] is None else f", {r['wall_per_step_s'] * 1e3:.2f} ms/token"
+        return (f"generate {r['model']} (text): {r['batch_size']} x {r['new_tokens']} new tokens after "
+                f"{r['prompt_len']} prompt tokens, {how}: compile {r['compile_s']:.2f} s, prefill "
+                f"{r['prefill_s'] * 1e3:.2f} ms{per}")
+    guide = (f"guidance {r['guidance']:g} (both branches in one batch of {r['rows_per_step']} rows)" if r["cfg"]
+             else "no guidance")
+    grid = "x".join(map(str, r["grid"]))
+    return (f"generate {r['model']} (video): {r['batch_size']} clip(s) of {grid} latent tokens after "
+            f"{r['prompt_len']} prompt tokens, {r['steps']} {r['sampler']} steps (shift {r['shift']:g}), {guide}: "
+            f"compile {r['compile_s']:.2f} s; {r['wall_per_step_s'] * 1e3:.2f} ms/step with the reasoner K/V cached "
+            f"vs {r['uncached']['wall_per_step_s'] * 1e3:.2f} ms uncached ({r['speedup_vs_uncached']:.2f}x), "
+            f"max |cached - uncached| {r['max_abs_diff_vs_uncached']:.3g}")
