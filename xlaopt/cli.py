@@ -178,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT")
+    serve = p.add_argument_group("serving (analytic: no gradients or optimizer state, the KV cache in memory)")
+    serve.add_argument("--serve", default=None, choices=("decode", "denoise"),
+                       help="plan an inference layout for a decode step (LLM, Cosmos 3's reasoner) or a Cosmos 3 "
+                            "denoising step instead of training; rows from --global-batch (default 8, denoise 1)")
+    serve.add_argument("--context", type=int, default=8192, help="decode: cached tokens a row (default 8192)")
+    serve.add_argument("--text-tokens", type=int, default=512, help="denoise: prompt tokens a row (default 512)")
+    serve.add_argument("--gen-tokens", type=int, default=7680,
+                       help="denoise: generator tokens a row (default 7680, a 480p clip of cosmos3-480p)")
+    serve.add_argument("--guidance", type=float, default=3.0,
+                       help="denoise: CFG scale; above 1 both branches run, twice the rows (default 3)")
     p = sub.add_parser("generate", help="sample from a model (its own random init): Cosmos 3 video by rectified flow "
                                         "with the reasoner's K/V cached (timed against uncached), or text by "
                                         "KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
@@ -569,6 +579,8 @@ def cmd_analyze(args) -> int:
 def cmd_plan(args) -> int:
     from xlaopt.planning.defaults import plan_program, prepare_devices
 
+    if args.serve is not None:
+        return _plan_serving(args)
     prepare_devices(args.target, args.topology)
     from xlaopt.analysis.topology import parse_topology
 
@@ -612,6 +624,34 @@ def cmd_plan(args) -> int:
         save_layout(result["layout"], args.out)
         print(f"best layout written to {args.out}")
     _write_json(args.json, report)
+    return 0
+
+
+def _plan_serving(args) -> int:
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.inference.sample_cosmos import check_guidance
+    from xlaopt.planning import serving
+
+    if args.model is None:
+        raise UserError("--model is required")
+    config = get_config(args.model, parse_overrides(args.model, args.set))
+    topology = parse_topology(args.topology)
+    rows = args.global_batch or (8 if args.serve == "decode" else 1)
+    if args.serve == "denoise" and check_guidance(args.guidance) != 1.0:
+        rows *= 2  # both guidance branches in one batch
+    request = serving.Request(args.serve, rows, args.context, args.text_tokens, args.gen_tokens)
+    ranked = serving.plan_serving(config, topology, request)
+    print(serving.format_serving(config, topology, request, ranked))
+    best = next((p for p in ranked if not p.reason), None)
+    if best is None:
+        raise UserError(f"no serving layout of {config.name} fits {topology.name}: "
+                        f"{ranked[0].reason} at best; serve fewer rows or a shorter context, or on more devices")
+    if args.out:
+        from xlaopt.layout import Layout, save_layout
+
+        save_layout(Layout(best.mesh, model=config.name, topology=topology.name), args.out)
+        print(f"best layout written to {args.out}")
+    _write_json(args.json, {"model": config.name, "topology": topology.name, **serving.report(ranked, request)})
     return 0
 
 

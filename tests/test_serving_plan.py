@@ -1,0 +1,66 @@
+"""The serving planner: inference layouts with no gradients or optimizer state, the KV cache in
+the memory model, tensor parallelism where a token step's latency wants it."""
+import json
+
+import pytest
+
+from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.topology import parse_topology
+from xlaopt.cli import main
+from xlaopt.errors import UserError
+from xlaopt.layout import load_layout
+from xlaopt.models.registry import get_config
+from xlaopt.planning.serving import Request, plan_serving, price_decode
+
+NODE = parse_topology("h100:1x8")
+
+
+def test_llama3_70b_decode_on_one_node_is_tensor_parallel_over_all_eight():
+    """141 GB of bf16 weights do not fit one H100; a token step reads every weight once, so the
+    latency falls with each device that shares the reading: tp=8 first, and so on down."""
+    ranked = plan_serving(get_config("llama3-70b"), NODE, Request("decode", 8, context=8192))
+    fits = [(p.dp, p.tp) for p in ranked if not p.reason]
+    assert fits == [(1, 8), (2, 4), (4, 2)]
+    assert [p for p in ranked if p.tp == 1][0].reason.startswith("needs 133.9 GiB per device")
+    best = ranked[0]
+    # Memory-bound: the layers' time is their weights and cache read at HBM bandwidth.
+    c = get_config("llama3-70b")
+    read = best.memory_parts["weights"] - 2 * 2 * c.d_model * c.vocab_size / 8 + best.memory_parts["kv_cache"]
+    assert best.parts["layers"] == pytest.approx(read / NODE.device.hbm_bytes_per_s, rel=1e-6)
+    assert best.parts["tp_collectives"] > 0
+
+
+def test_the_kv_cache_is_in_the_memory_model():
+    c, eff = get_config("llama3-8b"), cm.efficiency_for(NODE)
+    short, long = (price_decode(c, Request("decode", 16, context=n), 1, 8, NODE, eff) for n in (1024, 8192))
+    # 16 rows x n tokens x 2 (k, v) x 1 kv head a rank (8 over tp=8) x 128 x 2 bytes x 32 layers
+    assert long.memory_parts["kv_cache"] - short.memory_parts["kv_cache"] == 16 * 7168 * 2 * 1 * 128 * 2 * 32
+    assert long.step_s > short.step_s
+
+
+def test_cosmos3_denoising_prices_the_cached_and_the_uncached_step():
+    ranked = plan_serving(get_config("cosmos3-nano"), NODE, Request("denoise", 2, text=512, gen=7680))
+    best = next(p for p in ranked if not p.reason)
+    assert best.uncached_step_s > best.step_s > 0  # the reasoner's tokens are not recomputed
+
+
+@pytest.mark.parametrize("model, mode, message", [
+    ("llama-tiny", "denoise", "has no generator"),
+    ("resnet-tiny", "decode", "has none"),
+])
+def test_serving_what_a_model_cannot_do_is_refused(model, mode, message):
+    with pytest.raises(UserError, match=message):
+        plan_serving(get_config(model), NODE, Request(mode, 1, context=16, text=8, gen=8))
+
+
+def test_cli_plan_serve_writes_a_tensor_parallel_layout(tmp_path, capsys):
+    out, layout = tmp_path / "serve.json", tmp_path / "serve.toml"
+    assert main(["plan", "--model", "llama3-70b", "--topology", "h100:1x8", "--serve", "decode",
+                 "--json", str(out), "--out", str(layout)]) == 0
+    assert load_layout(layout).mesh.as_dict()["tensor"] == 8
+    result = json.loads(out.read_text())
+    assert result["candidates"][0]["tp"] == 8 and "kv_cache" in result["candidates"][0]["memory_parts"]
+    assert main(["plan", "--model", "llama3-70b", "--topology", "h100:1x8", "--serve", "decode",
+                 "--global-batch", "512", "--context", "131072"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no serving layout of llama3-70b fits" in err[0]
