@@ -264,7 +264,6 @@ def test_cli_generate_text_on_a_decoder(tmp_path):
     (["--model", "cosmos3-tiny", "--guidance", "25"], "guidance"),
     (["--model", "cosmos3-tiny", "--steps", "0"], "steps"),
     (["--model", "cosmos3-tiny", "--prompt-len", "20", "--text-len", "16"], "does not fit"),
-    (["--model", "cosmos3-tiny", "--mesh", "data=2"], "sharded inference is not supported"),
     (["--model", "cosmos3-tiny", "--new-tokens", "3"], "--decode-text"),
 ])
 def test_cli_generate_bad_input_is_one_line(args, message, capsys):

@@ -192,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "with the reasoner's K/V cached (timed against uncached), or text by "
                                         "KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
     _model_args(p)
-    p.add_argument("--mesh", default="", help="one device only for now (sharded inference is not supported yet)")
-    p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (its mesh must "
-                                                                   "be one device; its batch and execution apply)")
+    p.add_argument("--mesh", default="", help="mesh axes, e.g. tensor=2 or data=2,tensor=2: parameters as training "
+                                              "lays them out, rows over data/fsdp (context parallel: not yet)")
+    p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (e.g. from "
+                                                                   "`plan --serve`; its execution applies)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the layout's, else float32)")
     p.set_defaults(default_dtype="float32")
     p.add_argument("--batch-size", type=int, default=None, help="prompts, one sample each (default 1)")

@@ -13,9 +13,17 @@ once for the prompt's length, once for one token, the latter reused every step w
 donated so XLA updates it in place. `Decoding.generate` runs the loop and reports compile and
 per-step wall times. Rows share one length (equal-length prompts): left-padding ragged
 prompts is not supported.
+
+On a mesh (`Decoding(model, placement)`, `inference.placement`) the parameters sit in their
+training layout, the prompt's rows split over the batch axes, and the cache [L, B, S, N, K]
+takes its rows there too and its kv heads over `tensor`: the cache and the outputs are
+constrained by logical axes (`CACHE_AXES`, `layers.constrain`, a no-op on one device) so each
+step's outputs land where the next step's inputs were compiled to be, and the donated cache
+keeps one layout.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -30,7 +38,7 @@ from xlaopt.errors import UserError
 from xlaopt.models import cosmos3, decoder
 from xlaopt.models.attention import attention
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, embedding_lookup
+from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,14 @@ def tower_of(model) -> Tower:
     raise UserError(f"KV-cached decoding needs a Decoder or a Cosmos3 model, not {type(model).__name__}")
 
 
+# Logical axes of a cache [L, B, S, N, K]: rows as the batch's, positions as a sequence's, kv
+# heads as the attention's (None for layers: no rule splits them).
+CACHE_AXES = (None, "batch", "seq", "act_kv_heads", "head_dim")
+PROMPT_AXES = ("batch", "seq")
+TOKEN_AXES = ("batch",)
+LOGITS_AXES = ("batch", "act_vocab")
+
+
 class KVCache(NamedTuple):
     """Rotated keys and values of every layer; positions >= `length` are unwritten."""
     k_LBSNK: jax.Array
@@ -80,6 +96,9 @@ class KVCache(NamedTuple):
     @property
     def max_len(self) -> int:
         return self.k_LBSNK.shape[2]
+
+    def constrained(self) -> "KVCache":
+        return KVCache(constrain(self.k_LBSNK, CACHE_AXES), constrain(self.v_LBSNK, CACHE_AXES), self.length)
 
 
 def empty_cache(tower: Tower, batch: int, max_len: int) -> KVCache:
@@ -96,6 +115,8 @@ def _layer(tower: Tower, params_i, carry, rope, start):
     q_BLHK, k_BLNK, v_BLNK, _ = block.apply({"params": params_i}, x_BLD, *rope, method="qkv")
     k_LBSNK = jax.lax.dynamic_update_slice(k_LBSNK, k_BLNK[None].astype(k_LBSNK.dtype), (i, 0, start, 0, 0))
     v_LBSNK = jax.lax.dynamic_update_slice(v_LBSNK, v_BLNK[None].astype(v_LBSNK.dtype), (i, 0, start, 0, 0))
+    # The scan's carry keeps the cache's layout on a mesh: each layer's write stays in place, no reshard.
+    k_LBSNK, v_LBSNK = constrain(k_LBSNK, CACHE_AXES), constrain(v_LBSNK, CACHE_AXES)
     B, L, S = x_BLD.shape[0], x_BLD.shape[1], k_LBSNK.shape[2]
     mask_BLS = jnp.broadcast_to(jnp.arange(S)[None, :] <= start + jnp.arange(L)[:, None], (B, L, S))
     attn_BLHK = attention(q_BLHK, k_LBSNK[i], v_LBSNK[i], mask_BLS)
@@ -107,6 +128,7 @@ def extend(tower: Tower, params, tokens_BL, cache: KVCache) -> tuple[jax.Array, 
     The caller keeps `cache.length + L <= cache.max_len` (`Decoding` checks it up front): under
     jit a write past the end cannot raise, XLA would clamp it onto the last slots."""
     B, L = tokens_BL.shape
+    cache = cache.constrained()
     start = cache.length
     x_BLD = embedding_lookup(params["embed_ED"], tokens_BL, "vocab").astype(tower.dtype)
     positions_3BL = jnp.broadcast_to(start + jnp.arange(L, dtype=jnp.int32), (3, B, L))  # text: (p, p, p)
@@ -120,7 +142,7 @@ def extend(tower: Tower, params, tokens_BL, cache: KVCache) -> tuple[jax.Array, 
 
     carry = (x_BLD, cache.k_LBSNK, cache.v_LBSNK, jnp.zeros((), jnp.int32))
     (x_BLD, k_LBSNK, v_LBSNK, _), _ = jax.lax.scan(body, carry, params["layers"][tower.layer_name])
-    return lm_logits(tower, params, x_BLD[:, -1:])[:, 0], KVCache(k_LBSNK, v_LBSNK, start + L)
+    return lm_logits(tower, params, x_BLD[:, -1:])[:, 0], KVCache(k_LBSNK, v_LBSNK, start + L).constrained()
 
 
 def lm_logits(tower: Tower, params, x_BLD) -> jax.Array:
@@ -159,10 +181,12 @@ class Generation(NamedTuple):
 class Decoding:
     """KV-cached generation for one model (`tower_of`): the prefill executable per (batch,
     prompt length, cache length, mode) and the one-token decode executable per (batch, cache
-    length, mode) are compiled on first use and kept."""
+    length, mode) are compiled on first use and kept. With a `placement` (`inference.placement`)
+    they run on its mesh, the parameters and prompt placed there first."""
 
-    def __init__(self, model):
+    def __init__(self, model, placement=None):
         self.tower = tower_of(model)
+        self.placement = placement
         self._compiled: dict = {}
         self._prefill = jax.jit(functools.partial(prefill, self.tower), static_argnums=(2,))
         self._decode_step = jax.jit(functools.partial(decode_step, self.tower), donate_argnums=(2,))
@@ -170,12 +194,16 @@ class Decoding:
     def prefill(self, params, prompt_BP, cache_len: int) -> tuple[jax.Array, KVCache]:
         """`prefill` jitted: logits [B, E] after the prompt, and its cache."""
         _check_prompt(prompt_BP, cache_len, _vocab(params))
-        return self._prefill(nn.meta.unbox(params), jnp.asarray(prompt_BP, jnp.int32), cache_len)
+        params, prompt_BP = self._put(params, prompt_BP, PROMPT_AXES, "the prompt")
+        with self._on_mesh(prompt_BP.shape[0]):
+            return self._prefill(params, prompt_BP, cache_len)
 
     def decode_step(self, params, token_B, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """`decode_step` jitted, the cache donated (do not read it again). Keep
         `cache.length < cache.max_len`: checking it here would wait for the device each step."""
-        return self._decode_step(nn.meta.unbox(params), jnp.asarray(token_B, jnp.int32), cache)
+        params, token_B = self._put(params, token_B, TOKEN_AXES, "the tokens")
+        with self._on_mesh(token_B.shape[0]):
+            return self._decode_step(params, token_B, cache)
 
     def generate(self, params, prompt_BP, new_tokens: int, *, temperature: float | None = None, key=None,
                  cache_len: int | None = None, keep_logits: bool = False) -> Generation:
@@ -188,7 +216,10 @@ class Decoding:
         greedy = temperature is None
         key = jax.random.key(0) if greedy else key  # unused by argmax; keeps one signature
         temperature = jnp.float32(1.0 if greedy else temperature)
-        args = (params, jnp.asarray(prompt_BP, jnp.int32), key, temperature)
+        params, prompt = self._put(params, prompt_BP, PROMPT_AXES, "the prompt")
+        if self.placement is not None:
+            key, temperature = self.placement.replicate(key), self.placement.replicate(temperature)
+        args = (params, prompt, key, temperature)
         prefill_exe, prefill_compile_s = self._executable("prefill", _prefill_and_pick, args, cache_len, greedy)
 
         t0 = time.perf_counter()
@@ -224,19 +255,36 @@ class Decoding:
             jitted = jax.jit(lambda p, prompt, k, t: fn(self.tower, p, prompt, k, t, cache_len, greedy))
         else:  # the cache (argument 2) is donated: each step updates it in place
             jitted = jax.jit(lambda p, tok, c, k, t: fn(self.tower, p, tok, c, k, t, greedy), donate_argnums=(2,))
-        exe = jitted.lower(*args).compile()
+        with self._on_mesh(args[1].shape[0]):
+            exe = jitted.lower(*args).compile()
         self._compiled[cache_key] = exe
         return exe, time.perf_counter() - t0
+
+    def _put(self, params, rows, axes, what: str):
+        """Unboxed parameters and int32 rows, on the placement's mesh when there is one."""
+        params, rows = nn.meta.unbox(params), jnp.asarray(rows, jnp.int32)
+        if self.placement is None:
+            return params, rows
+        return self.placement.put_params(params), self.placement.put(rows, axes, what)
+
+    def _on_mesh(self, rows: int):
+        """Tracing under the placement's mesh and layout for `rows` rows (nothing on one device)."""
+        return contextlib.nullcontext() if self.placement is None else self.placement.tracing(rows)
 
 
 def _prefill_and_pick(tower, params, prompt_BP, key, temperature, cache_len, greedy):
     logits_BE, cache = prefill(tower, params, prompt_BP, cache_len)
-    return pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache
+    return _picked(pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache)
 
 
 def _decode_and_pick(tower, params, token_B, cache, key, temperature, greedy):
     logits_BE, cache = decode_step(tower, params, token_B, cache)
-    return pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache
+    return _picked(pick(logits_BE, cache, key, temperature, greedy), logits_BE, cache)
+
+
+def _picked(token_B, logits_BE, cache: KVCache):
+    """The step's outputs in the layout the next decode step is compiled for (a no-op on one device)."""
+    return constrain(token_B, TOKEN_AXES), constrain(logits_BE, LOGITS_AXES), cache
 
 
 def _vocab(params) -> int:

@@ -34,9 +34,16 @@ its own prompt's length, as the pipeline's do.
 `CosmosSampler` compiles the reasoner prefill once and the per-step velocity once per shape
 (sigma and the guidance scale traced, so every step and every sampler reuses it) and runs
 Euler or Heun (`flow_schedule`), timing compile and each step.
+
+On a mesh (`CosmosSampler(model, placement)`, `inference.placement`) the parameters sit in their
+training layout, the request's rows (both branches) split over the batch axes where they
+divide, the reasoner K/V [L, B, T, N, K] is laid out as the decode cache (`decode.CACHE_AXES`:
+rows there, kv heads over `tensor`), and the latents [B, V, C] keep their rows' layout from
+step to step (the velocity's output sharding is the latents').
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -51,9 +58,11 @@ from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.packing import fill_row
 from xlaopt.data.sample import Sample
 from xlaopt.errors import UserError
+from xlaopt.inference.decode import CACHE_AXES
 from xlaopt.inference.flow_schedule import FlowSchedule, euler_step, heun_step
 from xlaopt.models import cosmos3
 from xlaopt.models.cosmos3 import VIDEO, Cosmos3
+from xlaopt.models.layers import constrain
 
 NULL_PROMPT = (0,)  # the default unconditional prompt (see the module docstring)
 MIN_GUIDANCE, MAX_GUIDANCE = 1.0, 20.0
@@ -63,6 +72,7 @@ SAMPLERS = {"euler": 1, "heun": 2}  # name -> order of `flow_schedule`
 TEXT_FIELDS = ("text_tokens_BT", "text_segment_ids_BT", "text_positions_3BT")
 GEN_FIELDS = ("text_segment_ids_BT", "gen_segment_ids_BV", "gen_positions_3BV", "gen_modality_BV",
               "gen_action_domain_BV", "gen_noisy_BV", "gen_sigma_BV")
+LATENT_AXES = ("batch", "seq", None)  # x_t [B, V, C]: as the batch contract's gen_x0_BVC
 
 
 class ReasonerKV(NamedTuple):
@@ -181,8 +191,8 @@ def generator_params(params) -> dict:
 
 def reasoner_kv(model: Cosmos3, params, batch: dict) -> ReasonerKV:
     """The reasoner over the text region, once: per layer the keys the generator reads and the
-    values, [L, B, T, N, K]."""
-    return ReasonerKV(*cosmos3.reasoner_kv(model, params, batch))
+    values, [L, B, T, N, K] (on a mesh laid out as a decode cache; `constrain` is a no-op on one device)."""
+    return ReasonerKV(*(constrain(a, CACHE_AXES) for a in cosmos3.reasoner_kv(model, params, batch)))
 
 
 def generator_velocity(model: Cosmos3, params, batch: dict, x_t_BVC, sigma, cache: ReasonerKV) -> jax.Array:
@@ -242,16 +252,17 @@ class CosmosSampler:
     """Sampling for one Cosmos 3 model: the reasoner prefill and the per-step velocity (cached and
     uncached) are compiled on first use per shape and kept."""
 
-    def __init__(self, model: Cosmos3):
+    def __init__(self, model: Cosmos3, placement=None):
         if not isinstance(model, Cosmos3):
             raise UserError(f"sampling needs a Cosmos 3 model (it has a generator tower), not "
                             f"{type(model).__name__}")
         self.model = model
+        self.placement = placement  # an `inference.placement.Placement`, or None: one device
         self._compiled: dict = {}
 
     def prefill(self, params, request: VideoRequest) -> tuple[ReasonerKV, dict]:
         """The reasoner K/V of every row of the request (both branches: one prefill), and its times."""
-        args = (reasoner_params(params), {k: jnp.asarray(request.batch[k]) for k in TEXT_FIELDS})
+        args = (reasoner_params(self._put_params(params)), self._put_batch(request.batch, TEXT_FIELDS))
         exe, compile_s = self._executable("prefill", lambda p, b: reasoner_kv(self.model, p, b), args)
         t0 = time.perf_counter()
         cache = jax.block_until_ready(exe(*args))
@@ -261,26 +272,27 @@ class CosmosSampler:
                cached: bool = True) -> Sampled:
         """x_0 [B, V, C] from the noise `x_T_BVC` over `schedule` (order 1 Euler, 2 Heun); `cached`:
         the reasoner K/V once and the generator per step, else the full model per step."""
-        params = nn.meta.unbox(params)
-        guidance = jnp.float32(request.guidance)
-        x_T_BVC = jnp.asarray(x_T_BVC, jnp.float32)
-        sigma0 = jnp.float32(1.0)
+        params = self._put_params(params)
+        guidance, sigma0 = self._scalar(request.guidance), self._scalar(1.0)
+        x_T_BVC = self._put_latents(x_T_BVC)
         prefill = dict(compile_s=0.0, run_s=0.0)
         if cached:
             cache, prefill = self.prefill(params, request)
-            batch = {k: jnp.asarray(request.batch[k]) for k in GEN_FIELDS}
+            batch = self._put_batch(request.batch, GEN_FIELDS)
             args = (generator_params(params), batch, x_T_BVC, sigma0, guidance, cache)
             fn = lambda p, b, x, s, g, c: _cached_step(self.model, request.cfg, p, b, x, s, g, c)
         else:
-            batch = {k: jnp.asarray(v) for k, v in request.batch.items()}
+            batch = self._put_batch(request.batch, tuple(request.batch))
             args = (params, batch, x_T_BVC, sigma0, guidance)
             fn = lambda p, b, x, s, g: _uncached_step(self.model, request.cfg, p, b, x, s, g)
-        exe, step_compile_s = self._executable(("cached" if cached else "uncached", request.cfg), fn, args)
+        # On a mesh the velocity leaves in the latents' layout, so each step's x is where it was compiled for.
+        latents = None if self.placement is None else x_T_BVC.sharding
+        exe, step_compile_s = self._executable(("cached" if cached else "uncached", request.cfg), fn, args, latents)
         calls = [0]
 
         def velocity(x, sigma):
             calls[0] += 1
-            return exe(args[0], batch, x, sigma, *args[4:])
+            return exe(args[0], batch, self._put_latents(x), self._scalar(sigma), *args[4:])
 
         x0, step_s = integrate(velocity, x_T_BVC, schedule, order)
         stats = dict(cached=cached, cfg=request.cfg, compile_s=prefill["compile_s"] + step_compile_s,
@@ -298,13 +310,44 @@ class CosmosSampler:
         name = lambda n: n if isinstance(n, str) else f"{n[0]} step, cfg {'on' if n[1] else 'off'}"
         return [dict(executable=name(key[0]), flops=count(exe)) for key, exe in self._compiled.items()]
 
-    def _executable(self, name, fn, args):
+    def _executable(self, name, fn, args, out_shardings=None):
         """(compiled fn, seconds spent compiling now): lowered ahead of time, so compile time is
-        measured apart from the first step's run time."""
+        measured apart from the first step's run time. args[1] is (part of) the request's batch."""
         key = (name, tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(args)))
         if key in self._compiled:
             return self._compiled[key], 0.0
         t0 = time.perf_counter()
-        exe = jax.jit(fn).lower(*args).compile()
+        rows = args[1]["text_segment_ids_BT"].shape[0]
+        on_mesh = contextlib.nullcontext() if self.placement is None else self.placement.tracing(rows)
+        with on_mesh:
+            exe = jax.jit(fn, out_shardings=out_shardings).lower(*args).compile()
         self._compiled[key] = exe
         return exe, time.perf_counter() - t0
+
+    # Inputs as jax arrays, placed on the mesh when there is one (already placed ones stay put).
+
+    def _put_params(self, params):
+        params = nn.meta.unbox(params)
+        return params if self.placement is None else self.placement.put_params(params)
+
+    def _put_batch(self, batch: dict, fields: Sequence[str]) -> dict:
+        batch = {k: jnp.asarray(batch[k]) for k in fields}
+        if self.placement is None:
+            return batch
+        return self.placement.put_tree(batch, _batch_axes(self.model.config, batch), "request field")
+
+    def _put_latents(self, x_BVC) -> jax.Array:
+        x_BVC = jnp.asarray(x_BVC, jnp.float32)
+        return x_BVC if self.placement is None else self.placement.put(x_BVC, LATENT_AXES, "the latents")
+
+    def _scalar(self, value) -> jax.Array:
+        value = jnp.float32(value)
+        return value if self.placement is None else self.placement.replicate(value)
+
+
+def _batch_axes(config, batch: dict) -> dict:
+    """Logical axes of each field of a request batch, from the batch contract."""
+    R, T = batch["text_segment_ids_BT"].shape
+    V = batch["gen_segment_ids_BV"].shape[1] if "gen_segment_ids_BV" in batch else 0
+    spec = cosmos3_batch_spec(config, BatchShape(R, T, V))
+    return {k: spec[k][2] for k in batch}

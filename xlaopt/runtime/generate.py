@@ -8,8 +8,14 @@ Two modes:
          every step) from the same noise, reported as a speedup and a max difference.
   text   KV-cached decoding (`xlaopt.inference.decode.Decoding`): decoder LLMs always, Cosmos 3's
          reasoner with --decode-text.
-Options of the other mode, a model with neither path (ViT), or a mesh of more than one device
-(sharded inference is not supported yet) end in one-line UserErrors.
+Options of the other mode, or a model with neither path (ViT), end in one-line UserErrors.
+
+Sharded: `--mesh data=2,tensor=2` (or a layout file's mesh) runs both modes on that mesh of
+simulated CPU devices, requested before JAX starts (`xlaopt.inference.placement`: parameters in
+the training layout of the rule table, rows over data/fsdp where they divide, the KV caches'
+kv heads over tensor). A mesh whose axes do not divide the model's parameters (a tensor size
+that does not divide the heads or the vocabulary), or one that splits positions (context), is
+refused in one line.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xlaopt.errors import UserError
+from xlaopt.mesh import request_cpu_devices
 from xlaopt.models.registry import get_config, parse_overrides
 
 # Defaults of the options whose argparse default is None (None: "not given", so a mode can
@@ -54,18 +61,35 @@ def choose_mode(config, args) -> str:
     return "text"
 
 
-def _model(config, layout, dtype: str):
+def _execution(layout, dtype: str):
     from xlaopt.execution import ExecutionConfig
+
+    return dataclasses.replace(layout.execution or ExecutionConfig(), compute_dtype=dtype)
+
+
+def _model(config, execution):
     from xlaopt.families import family_of
 
-    execution = dataclasses.replace(layout.execution or ExecutionConfig(), compute_dtype=dtype)
     return family_of(config).module(config, execution)
 
 
-def _init_params(model, batch: dict, seed: int):
-    """The model's own initialisation, seeded (parameters do not depend on the batch's shape)."""
+def _placement(config, layout, execution):
+    """None on one device; else the model's training layout on the mesh, whose simulated CPU
+    devices are asked for first (before anything starts JAX's backends)."""
+    from xlaopt.inference.placement import placement_or_none
+
+    if layout.mesh.num_devices > 1:
+        request_cpu_devices(layout.mesh.num_devices)
+    return placement_or_none(config, layout.mesh, execution, layout.rules)
+
+
+def _init_params(model, batch: dict, seed: int, placement=None):
+    """The model's own initialisation, seeded (parameters do not depend on the batch's shape);
+    on a mesh created directly in their layout."""
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    return nn.meta.unbox(jax.jit(model.init)(jax.random.key(seed), batch))["params"]
+    init = lambda key, b: nn.meta.unbox(model.init(key, b))["params"]
+    shardings = None if placement is None else placement.param_shardings
+    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed), batch)
 
 
 def _prompts(args, config, rows: int) -> np.ndarray:
@@ -88,21 +112,20 @@ def generate(args, layout_of) -> dict:
     config = get_config(args.model, parse_overrides(args.model, args.set))
     mode = choose_mode(config, args)
     layout = layout_of(args)
-    if layout.mesh.num_devices != 1:
-        raise UserError(f"mesh {layout.mesh}: sharded inference is not supported yet; generate runs on one "
-                        f"device (drop --mesh, or give a layout whose mesh is one device)")
     rows = 1 if args.batch_size is None else args.batch_size
     if rows < 1:
         raise UserError(f"--batch-size {rows}: need at least one row")
-    model = _model(config, layout, args.dtype)
+    execution = _execution(layout, args.dtype)
+    placement = _placement(config, layout, execution)
+    model = _model(config, execution)
     prompt_BP = _prompts(args, config, rows)
     common = dict(model=config.name, family=config.family, mode=mode, dtype=args.dtype, batch_size=rows,
                   prompt_len=int(prompt_BP.shape[1]), seed=args.seed, mesh=layout.mesh.as_dict())
     run = generate_video if mode == "video" else generate_text
-    return common | run(args, config, model, prompt_BP)
+    return common | run(args, config, model, prompt_BP, placement)
 
 
-def generate_video(args, config, model, prompt_BP) -> dict:
+def generate_video(args, config, model, prompt_BP, placement=None) -> dict:
     from xlaopt.data.synthetic_cosmos import RESOLUTION_SHIFT
     from xlaopt.inference import sample_cosmos as sc
     from xlaopt.inference.flow_schedule import FlowSchedule
@@ -115,9 +138,9 @@ def generate_video(args, config, model, prompt_BP) -> dict:
     text_len = prompt_BP.shape[1] if args.text_len is None else args.text_len
     request = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
                                o["guidance"])
-    params = _init_params(model, request.batch, args.seed)
+    params = _init_params(model, request.batch, args.seed, placement)
     x_T_BVC = request.noise(config, jax.random.key(args.seed + 1))
-    sampler = sc.CosmosSampler(model)
+    sampler = sc.CosmosSampler(model, placement)
     cached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=True)
     uncached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=False)
     pick = lambda s: {k: s[k] for k in ("compile_s", "prefill_compile_s", "step_compile_s", "prefill_s",
@@ -135,7 +158,7 @@ def generate_video(args, config, model, prompt_BP) -> dict:
         cached=pick(cached.stats), uncached=pick(uncached.stats))
 
 
-def generate_text(args, config, model, prompt_BP) -> dict:
+def generate_text(args, config, model, prompt_BP, placement=None) -> dict:
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
     from xlaopt.inference.decode import Decoding
@@ -143,10 +166,10 @@ def generate_text(args, config, model, prompt_BP) -> dict:
     o = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in TEXT_DEFAULTS.items()}
     rows, P = prompt_BP.shape
     spec = family_of(config).batch_spec(config, BatchShape(rows, P, 1 if config.family == "cosmos3" else 0))
-    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, args.seed)
+    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, args.seed, placement)
     key = None if o["temperature"] is None else jax.random.key(args.seed)
-    out = Decoding(model).generate(params, prompt_BP, o["new_tokens"], temperature=o["temperature"], key=key,
-                                   cache_len=args.text_len)
+    out = Decoding(model, placement).generate(params, prompt_BP, o["new_tokens"], temperature=o["temperature"],
+                                              key=key, cache_len=args.text_len)
     s = out.stats
     step_s = s["decode_step_s"]
     return dict(new_tokens=o["new_tokens"], temperature=o["temperature"], greedy=o["temperature"] is None,
@@ -158,16 +181,18 @@ def generate_text(args, config, model, prompt_BP) -> dict:
 
 
 def format_generation(r: dict) -> str:
+    split = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1)
+    where = f" on {split}" if split else ""
     if r["mode"] == "text":
         how = "greedy" if r["greedy"] else f"temperature {r['temperature']:g}"
         per = "" if r["wall_per_step_s"] is None else f", {r['wall_per_step_s'] * 1e3:.2f} ms/token"
-        return (f"generate {r['model']} (text): {r['batch_size']} x {r['new_tokens']} new tokens after "
+        return (f"generate {r['model']} (text{where}): {r['batch_size']} x {r['new_tokens']} new tokens after "
                 f"{r['prompt_len']} prompt tokens, {how}: compile {r['compile_s']:.2f} s, prefill "
                 f"{r['prefill_s'] * 1e3:.2f} ms{per}")
     guide = (f"guidance {r['guidance']:g} (both branches in one batch of {r['rows_per_step']} rows)" if r["cfg"]
              else "no guidance")
     grid = "x".join(map(str, r["grid"]))
-    return (f"generate {r['model']} (video): {r['batch_size']} clip(s) of {grid} latent tokens after "
+    return (f"generate {r['model']} (video{where}): {r['batch_size']} clip(s) of {grid} latent tokens after "
             f"{r['prompt_len']} prompt tokens, {r['steps']} {r['sampler']} steps (shift {r['shift']:g}), {guide}: "
             f"compile {r['compile_s']:.2f} s; {r['wall_per_step_s'] * 1e3:.2f} ms/step with the reasoner K/V cached "
             f"vs {r['uncached']['wall_per_step_s'] * 1e3:.2f} ms uncached ({r['speedup_vs_uncached']:.2f}x), "
