@@ -248,3 +248,42 @@ def test_cudnn_convolutions_each_count_the_forward_flops():
     flops = {op.name: op.flops for op in build_schedule(CUDNN_CONVS).ops}
     forward = 2 * 8 * 16 * 16 * 32 * 3 * 3 * 16
     assert flops["fwd"] == flops["fused"] == flops["dx"] == flops["dw"] == forward
+
+
+# A loop carrying a cache in a transposed layout reads and updates it through a bitcast (as a
+# gpu-aot decode step's V cache does): the bitcast moves no bytes, the slice and update are all.
+BITCAST_CACHE = """HloModule jit_step, is_scheduled=true
+
+%fused_read (param_0: bf16[80,8,128], param_1: s32[]) -> bf16[1,8,128] {
+  %param_0 = bf16[80,8,128]{1,2,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %b = bf16[80,128,8]{2,1,0} bitcast(%param_0)
+  %z = s32[] constant(0)
+  %ds = bf16[1,128,8]{2,1,0} dynamic-slice(%b, %param_1, %z, %z), dynamic_slice_sizes={1,128,8}
+  ROOT %r = bf16[1,8,128]{1,2,0} bitcast(%ds)
+}
+
+%fused_write (param_0: bf16[80,8,128], param_1: bf16[1,128,8], param_2: s32[]) -> bf16[80,128,8] {
+  %param_0 = bf16[80,8,128]{1,2,0} parameter(0)
+  %param_1 = bf16[1,128,8]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %b = bf16[80,128,8]{2,1,0} bitcast(%param_0)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[80,128,8]{2,1,0} dynamic-update-slice(%b, %param_1, %param_2, %z, %z)
+}
+
+ENTRY %main (c: bf16[80,8,128], u: bf16[1,128,8], i: s32[]) -> bf16[80,128,8] {
+  %c = bf16[80,8,128]{1,2,0} parameter(0)
+  %u = bf16[1,128,8]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %read = bf16[1,8,128]{1,2,0} fusion(%c, %i), kind=kLoop, calls=%fused_read
+  ROOT %write = bf16[80,128,8]{2,1,0} fusion(%c, %u, %i), kind=kLoop, calls=%fused_write
+}
+"""
+
+
+def test_a_cache_read_and_updated_through_a_bitcast_counts_the_slice_only():
+    ops = {op.name: op for op in build_schedule(BITCAST_CACHE).ops}
+    layer = 8 * 128 * 2  # one layer's slice of the cache, bf16
+    assert ops["read"].bytes == 2 * layer + 4  # the slice read and written, and the index
+    assert ops["write"].bytes == 2 * layer + 4  # the update read and written in place, and the index

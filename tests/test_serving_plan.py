@@ -64,3 +64,19 @@ def test_cli_plan_serve_writes_a_tensor_parallel_layout(tmp_path, capsys):
                  "--global-batch", "512", "--context", "131072"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no serving layout of llama3-70b fits" in err[0]
+
+
+@pytest.mark.parametrize("mesh", ["tensor=2"])
+def test_analyze_a_compiled_decode_step_on_a_mesh(mesh, tmp_path):
+    """The decode step `generate` runs, compiled from abstract sharded arrays: its arguments are
+    the weights and cache the analytic model counts, the cache is updated in place (donated and
+    aliased), and tensor parallelism all-reduces."""
+    out = tmp_path / "decode.json"
+    assert main(["analyze", "--model", "llama-tiny", "--set", "num_layers=2", "--mesh", mesh, "--topology", "h100:1x8",
+                 "--serve", "decode", "--context", "256", "--target", "cpu", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = get_config("llama-tiny")
+    cache = 2 * 2 * 8 * 256 * (c.num_kv_heads // 2) * c.head_dim * 2  # k and v, 2 layers, 8 rows, bf16, per device
+    assert r["memory"]["aliased"] == cache + 4  # and the cache length, an int32
+    assert 0.95 < r["memory"]["arguments"] / r["analytic_memory_bytes"] <= 1.0  # the analytic adds activations
+    assert r["all_reduces"] >= 1 and r["step_time_s"] > 0

@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-oversize", action="store_true",
                    help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
     _global_batch_args(p)
+    p.add_argument("--serve", default=None, choices=("decode",),
+                   help="price one KV-cached decode step (rows from --global-batch, default 8) instead of a "
+                        "training step, beside `plan --serve`'s analytic price")
+    p.add_argument("--context", type=int, default=8192, help="with --serve decode: cached tokens a row")
     p = sub.add_parser("plan", help="choose the layout (mesh, device order, remat, micro-batches, precision) for a "
                                     "model on a cluster: analytic prices, the best few compiled; ranked with reasons")
     p.add_argument("--model", default=None, help="registered model name (default: the --from layout's)")
@@ -555,6 +559,14 @@ def cmd_analyze(args) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
+    if args.serve is not None:
+        from xlaopt.analysis.serving_step import analyze_decode, format_decode
+
+        result = analyze_decode(config, mesh, rules, topology, args.target, args.global_batch or 8, args.context,
+                                args.dtype or "bfloat16")
+        print(format_decode(result))
+        _write_json(args.json, result)
+        return 0
     from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis
     from xlaopt.analysis.priced_batch import mix_batch, store_batch
 

@@ -243,7 +243,7 @@ class HloReader:
     @_per_instance
     def _fusion_access(self, comp: str) -> tuple[dict[int, int], int | None]:
         """For a fused computation: parameter index -> bytes actually touched (a parameter read
-        only through dynamic-slices counts the slices; the buffer of an in-place
+        only through dynamic-slices, bitcasts aside, counts the slices; the buffer of an in-place
         dynamic-update-slice counts 0), and the bytes written when the root updates in place."""
         instrs = self.comps.get(comp, [])
         params = {}
@@ -256,9 +256,17 @@ class HloReader:
         for ins in instrs:
             for k, o in enumerate(ins.operands):
                 users.setdefault(o, []).append((ins, k))
+        def through_bitcasts(name: str) -> list[tuple[Instruction, int]]:
+            # A bitcast only renames the buffer (a layout the loop carries, e.g. a transposed V
+            # cache): what touches the bytes is what uses the bitcast.
+            out = []
+            for u, k in users.get(name, []):
+                out += through_bitcasts(u.name) if u.opcode == "bitcast" else [(u, k)]
+            return out
+
         access: dict[int, int] = {}
         for name, idx in params.items():
-            uses = users.get(name, [])
+            uses = through_bitcasts(name)
             if uses and all(u.opcode == "dynamic-slice" and k == 0 for u, k in uses):
                 access[idx] = sum(hlo.shape_bytes(u.result) for u, _ in uses)
             elif uses and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in uses):

@@ -39,9 +39,11 @@ class Placement:
     mesh: jax.sharding.Mesh
 
     @classmethod
-    def on(cls, config, spec: MeshSpec, execution, rules: Sequence[Rule] = DEFAULT_RULES) -> "Placement":
-        """The placement of `config`'s model (built with `execution`) on `spec`'s mesh; a one-line
-        MeshError when the mesh lacks devices or an axis does not divide a parameter."""
+    def on(cls, config, spec: MeshSpec, execution, rules: Sequence[Rule] = DEFAULT_RULES,
+           mesh: jax.sharding.Mesh | None = None) -> "Placement":
+        """The placement of `config`'s model (built with `execution`) on `spec`'s mesh (`mesh`:
+        its devices, e.g. a deviceless GPU compile's; default the simulated CPU devices); a
+        one-line MeshError when the mesh lacks devices or an axis does not divide a parameter."""
         from xlaopt.context import PassContext
         from xlaopt.families import family_of
         from xlaopt.passes.mesh_layout import MeshLayout
@@ -49,7 +51,7 @@ class Placement:
         if spec.size("context") > 1:
             raise MeshError(f"mesh {spec}: context={spec.size('context')} would split positions, which inference "
                             f"does not yet (it splits rows over data/fsdp and heads over tensor); drop context")
-        mesh = make_mesh(spec)
+        mesh = make_mesh(spec) if mesh is None else mesh
         target = "gpu" if mesh.devices.flat[0].platform in ("gpu", "cuda") else "cpu"
         # mesh-layout also resolves a training batch and a traced step's activations; one row per
         # device divides however the rules split rows (only the parameters' specs are read here).

@@ -1,0 +1,109 @@
+"""A serving step compiled and priced as `xlaopt analyze` prices a training step: one KV-cached
+decode step (an LLM, Cosmos 3's reasoner) on a mesh, compiled by XLA's CPU pipeline or deviceless
+for the topology's GPUs, its scheduled HLO simulated on the topology, beside the serving
+planner's analytic price (`xlaopt.planning.serving`) for the same split.
+
+Nothing is allocated: the parameters (in the compute dtype, as a server holds them), the tokens
+and the cache are abstract arrays carrying their shardings (`xlaopt.inference.placement`), and
+the step is `xlaopt.inference.decode.decode_step`, the function `xlaopt generate` runs, with
+its cache donated.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xlaopt.analysis.topology import Topology
+from xlaopt.errors import UserError
+from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
+from xlaopt.sharding import Rule
+
+
+def _mesh(spec: MeshSpec, topology: Topology, target: str):
+    if target == "gpu":
+        from xlaopt.analysis.gpu_aot import gpu_mesh
+
+        return gpu_mesh(topology, spec.sizes, MESH_AXES, spec.placement())
+    return make_mesh(spec)
+
+
+def _abstract(x, dtype, sharding):
+    served = dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    return jax.ShapeDtypeStruct(x.shape, served, sharding=sharding)
+
+
+def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
+                   context: int, dtype: str = "bfloat16") -> dict:
+    """Compile and price one decode step of `rows` rows over a cache of `context` tokens."""
+    from xlaopt import step
+    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.schedule import build_schedule
+    from xlaopt.analysis.simulate import simulate
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.families import family_of
+    from xlaopt.inference.decode import CACHE_AXES, TOKEN_AXES, KVCache, decode_step, tower_of
+    from xlaopt.inference.placement import Placement
+    from xlaopt.planning.serving import Request, price_decode
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    if config.family not in ("decoder", "cosmos3"):
+        raise UserError(f"--serve decode compiles a causal text tower's token step; {config.name} has none")
+    if spec.num_devices > topology.num_devices:
+        raise UserError(f"mesh {spec} needs {spec.num_devices} devices but topology {topology.name} has "
+                        f"{topology.num_devices}")
+    execution = ExecutionConfig(compute_dtype=dtype)
+    placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
+    tower = tower_of(family_of(config).module(config, execution))
+    params, _ = step.abstract_params_with_axes(
+        TrainProgram(config, settings=TrainSettings(family_of(config).default_batch(config)), execution=execution))
+    params = jax.tree.map(lambda p, s: _abstract(p, jnp.dtype(dtype), s), params, placement.param_shardings)
+    b = tower.block
+    cache_shape = (tower.num_layers, rows, context, b["num_kv_heads"], b["head_dim"])
+    cache_sharding = placement.sharding(CACHE_AXES, cache_shape, "the KV cache")
+    cache = KVCache(jax.ShapeDtypeStruct(cache_shape, jnp.dtype(dtype), sharding=cache_sharding),
+                    jax.ShapeDtypeStruct(cache_shape, jnp.dtype(dtype), sharding=cache_sharding),
+                    jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(placement.mesh, PartitionSpec())))
+    token = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=placement.sharding(TOKEN_AXES, (rows,), "the tokens"))
+    t0 = time.perf_counter()
+    with placement.tracing(rows):
+        lowered = jax.jit(functools.partial(decode_step, tower), donate_argnums=(2,)).lower(params, token, cache)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    cpu = target == "cpu"
+    eff = efficiency_for(topology)
+    sim = simulate(build_schedule(text), topology.placed(spec.placement()), spec.as_dict(), eff=eff,
+                   matmul_dtype=dtype if cpu else None, cpu_fixups=cpu, keep_timeline=False)
+    memory = compiled.memory_analysis()
+    data = spec.size("data") * spec.size("fsdp")
+    analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology, eff)
+    return {
+        "model": config.name, "mode": "decode", "mesh": spec.as_dict(), "topology": topology.name, "target": target,
+        "rows": rows, "context": context, "compute_dtype": dtype,
+        "step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
+        "exposed_comm_s": sim.exposed_comm_s,
+        "memory": {"arguments": int(memory.argument_size_in_bytes), "temp": int(memory.temp_size_in_bytes),
+                   "aliased": int(memory.alias_size_in_bytes)},
+        "cache_aliased": "input_output_alias" in text,
+        "all_reduces": text.count("all-reduce-start(") + text.count(" all-reduce("),
+        "analytic_step_s": analytic.step_s, "analytic_memory_bytes": analytic.memory_bytes,
+        "compile_s": compile_s,
+    }
+
+
+def format_decode(r: dict) -> str:
+    mesh = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "one device"
+    gib = 2.0**30
+    return "\n".join([
+        f"{r['model']} decode step on {mesh}, topology {r['topology']}, target {r['target']}: {r['rows']} rows over "
+        f"{r['context']:,} cached tokens, {r['compute_dtype']}",
+        f"step time {r['step_time_s'] * 1e3:.2f} ms (analytic {r['analytic_step_s'] * 1e3:.2f} ms)   compute "
+        f"{r['compute_s'] * 1e3:.2f} ms   comm {r['comm_s'] * 1e3:.2f} ms   exposed {r['exposed_comm_s'] * 1e3:.2f} ms",
+        f"memory per device: arguments {r['memory']['arguments'] / gib:.2f} GiB (weights and cache; analytic "
+        f"{r['analytic_memory_bytes'] / gib:.2f} GiB), temp {r['memory']['temp'] / gib:.2f} GiB; cache updated in "
+        f"place: {'yes' if r['cache_aliased'] else 'no'}; {r['all_reduces']} all-reduces; compile {r['compile_s']:.1f} s",
+    ])
