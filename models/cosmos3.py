@@ -53,8 +53,7 @@ def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
 
 def tower_fields(c: Cosmos3Config, dtype) -> dict:
     """The `TransformerBlock` fields both towers share."""
-    return dict(d_model=c.d_model, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dtype)
+    return c.block_fields(dtype)
 
 
 def reasoner_fields(c: Cosmos3Config, dtype) -> dict:

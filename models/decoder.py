@@ -67,9 +67,7 @@ def attention_calls(batch: dict) -> tuple[tuple[Tokens, Tokens], ...]:
 def block_fields(c: DecoderConfig, dtype) -> dict:
     """The `TransformerBlock` fields of every layer: one definition for training and for
     KV-cached decoding (`xlaopt.inference.decode`), which binds the same block."""
-    return dict(d_model=c.d_model, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dtype,
-                qk_norm=c.qk_norm)
+    return dict(c.block_fields(dtype), qk_norm=c.qk_norm)
 
 
 def rope_tables(c: DecoderConfig, positions_3BL):

@@ -40,3 +40,9 @@ class TransformerConfig:
                 f"(grouped-query attention); pick num_kv_heads dividing {self.num_heads}")
         if self.mlp_activation not in self.activations:
             raise ConfigError(f"{self.name}: mlp_activation={self.mlp_activation!r}; use one of {self.activations}")
+
+    def block_fields(self, dtype) -> dict:
+        """The `TransformerBlock` fields every family's blocks share (each adds its own norms)."""
+        return dict(d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, mlp_dim=self.mlp_dim, mlp_activation=self.mlp_activation,
+                    norm_eps=self.norm_eps, dtype=dtype)

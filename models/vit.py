@@ -122,9 +122,7 @@ class ViT(nn.Module):
                  + patch_bias_D.astype(dt))
         pos_TD = param(self, "pos_embed_TD", (T, D), ("positions", "embed"), nn.initializers.normal(0.02))
         x_BTD = constrain(x_BTD + pos_TD.astype(dt), ("batch", "seq", "act_embed"))
-        block = dict(d_model=D, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                     mlp_dim=c.mlp_dim, mlp_activation=c.mlp_activation, norm_eps=c.norm_eps, dtype=dt,
-                     qk_norm=False)
+        block = dict(c.block_fields(dt), qk_norm=False)
         x_BTD = LayerStack(ViTLayer, dict(block=block, attention=self.attention), c.num_layers, self.stack,
                            name="layers")(x_BTD, image_tokens(seg_BT))
         real_BT1 = (seg_BT > 0)[..., None]
