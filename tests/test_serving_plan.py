@@ -80,3 +80,17 @@ def test_analyze_a_compiled_decode_step_on_a_mesh(mesh, tmp_path):
     assert r["memory"]["aliased"] == cache + 4  # and the cache length, an int32
     assert 0.95 < r["memory"]["arguments"] / r["analytic_memory_bytes"] <= 1.0  # the analytic adds activations
     assert r["all_reduces"] >= 1 and r["step_time_s"] > 0
+
+
+def test_analyze_a_compiled_denoising_step_cached_and_uncached(tmp_path):
+    """Cosmos 3's denoising step compiled both ways on tensor=2: the cached one takes the generator's
+    weights and the reasoner's K/V, not the reasoner's weights, and does less work."""
+    out = tmp_path / "denoise.json"
+    assert main(["analyze", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--mesh", "tensor=2", "--topology",
+                 "h100:1x8", "--serve", "denoise", "--text-tokens", "64", "--gen-tokens", "64", "--target", "cpu",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["cached"]["memory"]["arguments"] < r["uncached"]["memory"]["arguments"]
+    assert r["uncached"]["step_time_s"] > r["cached"]["step_time_s"] > 0 and r["speedup_vs_uncached"] > 1
+    assert r["analytic"]["uncached_step_s"] > r["analytic"]["cached_step_s"]
+    assert r["cached"]["all_reduces"] >= 1

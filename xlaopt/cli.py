@@ -154,10 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-oversize", action="store_true",
                    help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
     _global_batch_args(p)
-    p.add_argument("--serve", default=None, choices=("decode",),
-                   help="price one KV-cached decode step (rows from --global-batch, default 8) instead of a "
+    p.add_argument("--serve", default=None, choices=("decode", "denoise"),
+                   help="price one KV-cached decode step (rows from --global-batch, default 8) or one Cosmos 3 "
+                        "denoising step, cached and uncached (clips from --global-batch, default 1), instead of a "
                         "training step, beside `plan --serve`'s analytic price")
     p.add_argument("--context", type=int, default=8192, help="with --serve decode: cached tokens a row")
+    p.add_argument("--text-tokens", type=int, default=512, help="with --serve denoise: prompt tokens a clip")
+    p.add_argument("--gen-tokens", type=int, default=7680, help="with --serve denoise: latent tokens a clip")
+    p.add_argument("--guidance", type=float, default=3.0, help="with --serve denoise: CFG scale (1: one branch)")
     p = sub.add_parser("plan", help="choose the layout (mesh, device order, remat, micro-batches, precision) for a "
                                     "model on a cluster: analytic prices, the best few compiled; ranked with reasons")
     p.add_argument("--model", default=None, help="registered model name (default: the --from layout's)")
@@ -560,11 +564,17 @@ def cmd_analyze(args) -> int:
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
     if args.serve is not None:
-        from xlaopt.analysis.serving_step import analyze_decode, format_decode
+        from xlaopt.analysis import serving_step
 
-        result = analyze_decode(config, mesh, rules, topology, args.target, args.global_batch or 8, args.context,
-                                args.dtype or "bfloat16")
-        print(format_decode(result))
+        if args.serve == "decode":
+            result = serving_step.analyze_decode(config, mesh, rules, topology, args.target, args.global_batch or 8,
+                                                 args.context, args.dtype or "bfloat16")
+            print(serving_step.format_decode(result))
+        else:
+            result = serving_step.analyze_denoise(config, mesh, rules, topology, args.target, args.global_batch or 1,
+                                                  args.text_tokens, args.gen_tokens, args.guidance,
+                                                  args.dtype or "bfloat16")
+            print(serving_step.format_denoise(result))
         _write_json(args.json, result)
         return 0
     from xlaopt.analysis.analyze import analysis_batch_size, analyze, format_analysis

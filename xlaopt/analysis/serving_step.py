@@ -1,5 +1,6 @@
 """A serving step compiled and priced as `xlaopt analyze` prices a training step: one KV-cached
-decode step (an LLM, Cosmos 3's reasoner) on a mesh, compiled by XLA's CPU pipeline or deviceless
+decode step (an LLM, Cosmos 3's reasoner), or one Cosmos 3 denoising step with the reasoner's
+K/V cached and the same step uncached, on a mesh, compiled by XLA's CPU pipeline or deviceless
 for the topology's GPUs, its scheduled HLO simulated on the topology, beside the serving
 planner's analytic price (`xlaopt.planning.serving`) for the same split.
 
@@ -36,19 +37,120 @@ def _abstract(x, dtype, sharding):
     return jax.ShapeDtypeStruct(x.shape, served, sharding=sharding)
 
 
-def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
-                   context: int, dtype: str = "bfloat16") -> dict:
-    """Compile and price one decode step of `rows` rows over a cache of `context` tokens."""
-    from xlaopt import step
+def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: str) -> dict:
+    """A compiled step's simulated time and memory on the topology."""
     from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import simulate
+
+    text = compiled.as_text()
+    cpu = target == "cpu"
+    sim = simulate(build_schedule(text), topology.placed(spec.placement()), spec.as_dict(),
+                   eff=efficiency_for(topology), matmul_dtype=dtype if cpu else None, cpu_fixups=cpu,
+                   keep_timeline=False)
+    memory = compiled.memory_analysis()
+    return {"step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
+            "exposed_comm_s": sim.exposed_comm_s,
+            "memory": {"arguments": int(memory.argument_size_in_bytes), "temp": int(memory.temp_size_in_bytes),
+                       "aliased": int(memory.alias_size_in_bytes)},
+            "all_reduces": text.count("all-reduce-start(") + text.count(" all-reduce(")}
+
+
+def _served_params(config, execution, placement, dtype):
+    """The model's parameters as abstract arrays in the compute dtype, in their training layout."""
+    from xlaopt import step
+    from xlaopt.families import family_of
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    params, _ = step.abstract_params_with_axes(
+        TrainProgram(config, settings=TrainSettings(family_of(config).default_batch(config)), execution=execution,
+                     target=placement.program.target))
+    return jax.tree.map(lambda p, s: _abstract(p, jnp.dtype(dtype), s), params, placement.param_shardings)
+
+
+def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
+                    text: int, gen: int, guidance: float = 3.0, dtype: str = "bfloat16") -> dict:
+    """Compile and price one denoising step of `rows` clips of `gen` latent tokens after `text`
+    prompt tokens (both guidance branches in one batch when `guidance` != 1), cached and uncached."""
+    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.families import family_of
+    from xlaopt.inference import sample_cosmos as sc
+    from xlaopt.inference.decode import CACHE_AXES
+    from xlaopt.inference.placement import Placement
+    from xlaopt.planning.serving import Request, price_denoise
+
+    if config.family != "cosmos3":
+        raise UserError(f"--serve denoise compiles a generator's denoising step; {config.name} has no generator")
+    sc.check_guidance(guidance)
+    cfg = guidance != 1.0
+    R = 2 * rows if cfg else rows
+    # cuDNN's fused attention where XLA's GPU pipeline runs; a dense one elsewhere.
+    execution = ExecutionConfig(compute_dtype=dtype, attention="cudnn" if target == "gpu" else "dense")
+    placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
+    model = family_of(config).module(config, execution)
+    params = _served_params(config, execution, placement, dtype)
+    replicated = NamedSharding(placement.mesh, PartitionSpec())
+    spec_ = cosmos3_batch_spec(config, BatchShape(R, text, gen))
+
+    def field(name):
+        shape, dt, axes = spec_[name]
+        return jax.ShapeDtypeStruct(shape, dt, sharding=placement.sharding(axes, shape, f"request field {name}"))
+
+    x = jax.ShapeDtypeStruct((rows, gen, config.generator_in_dim), jnp.float32,
+                             sharding=placement.sharding(sc.LATENT_AXES, (rows, gen, config.generator_in_dim),
+                                                         "the latents"))
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+    L, N, K = config.num_layers, config.num_kv_heads, config.head_dim
+    kv_shape = (L, R, text, N, K)
+    kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(dtype), sharding=placement.sharding(CACHE_AXES, kv_shape, "the K/V"))
+    steps = {
+        "cached": (lambda p, b, x, s, g, c: sc._cached_step(model, cfg, p, b, x, s, g, c),
+                   (sc.generator_params(params), {k: field(k) for k in sc.GEN_FIELDS}, x, scalar, scalar,
+                    sc.ReasonerKV(kv, kv))),
+        "uncached": (lambda p, b, x, s, g: sc._uncached_step(model, cfg, p, b, x, s, g),
+                     (params, {k: field(k) for k in spec_}, x, scalar, scalar)),
+    }
+    out: dict = {"model": config.name, "mode": "denoise", "mesh": spec.as_dict(), "topology": topology.name,
+                 "target": target, "rows": rows, "text": text, "gen": gen, "guidance": guidance, "compute_dtype": dtype}
+    for name, (fn, args) in steps.items():
+        t0 = time.perf_counter()
+        with placement.tracing(R):
+            compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
+        out[name] = dict(_priced(compiled, spec, topology, target, dtype), compile_s=time.perf_counter() - t0)
+    out["speedup_vs_uncached"] = out["uncached"]["step_time_s"] / out["cached"]["step_time_s"]
+    data = spec.size("data") * spec.size("fsdp")
+    analytic = price_denoise(config, Request("denoise", R, text=text, gen=gen), data, spec.size("tensor"), topology,
+                             efficiency_for(topology))
+    out["analytic"] = {"cached_step_s": analytic.step_s, "uncached_step_s": analytic.uncached_step_s}
+    return out
+
+
+def format_denoise(r: dict) -> str:
+    mesh = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "one device"
+    c, u, a = r["cached"], r["uncached"], r["analytic"]
+    return "\n".join([
+        f"{r['model']} denoising step on {mesh}, topology {r['topology']}, target {r['target']}: {r['rows']} clip(s) "
+        f"of {r['gen']:,} latent tokens after {r['text']:,} prompt tokens, guidance {r['guidance']:g}, "
+        f"{r['compute_dtype']}",
+        f"cached (reasoner K/V once a prompt): {c['step_time_s'] * 1e3:.2f} ms (analytic {a['cached_step_s'] * 1e3:.2f})"
+        f"   uncached: {u['step_time_s'] * 1e3:.2f} ms (analytic {a['uncached_step_s'] * 1e3:.2f})   "
+        f"speedup {r['speedup_vs_uncached']:.2f}x",
+        f"memory per device, cached: arguments {c['memory']['arguments'] / 2**30:.2f} GiB, temp "
+        f"{c['memory']['temp'] / 2**30:.2f} GiB; compile {c['compile_s'] + u['compile_s']:.1f} s",
+    ])
+
+
+def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
+                   context: int, dtype: str = "bfloat16") -> dict:
+    """Compile and price one decode step of `rows` rows over a cache of `context` tokens."""
+    from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.execution import ExecutionConfig
     from xlaopt.families import family_of
     from xlaopt.inference.decode import CACHE_AXES, TOKEN_AXES, KVCache, decode_step, tower_of
     from xlaopt.inference.placement import Placement
     from xlaopt.planning.serving import Request, price_decode
-    from xlaopt.program import TrainProgram, TrainSettings
 
     if config.family not in ("decoder", "cosmos3"):
         raise UserError(f"--serve decode compiles a causal text tower's token step; {config.name} has none")
@@ -58,9 +160,7 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     execution = ExecutionConfig(compute_dtype=dtype)
     placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
     tower = tower_of(family_of(config).module(config, execution))
-    params, _ = step.abstract_params_with_axes(
-        TrainProgram(config, settings=TrainSettings(family_of(config).default_batch(config)), execution=execution))
-    params = jax.tree.map(lambda p, s: _abstract(p, jnp.dtype(dtype), s), params, placement.param_shardings)
+    params = _served_params(config, execution, placement, dtype)
     b = tower.block
     cache_shape = (tower.num_layers, rows, context, b["num_kv_heads"], b["head_dim"])
     cache_sharding = placement.sharding(CACHE_AXES, cache_shape, "the KV cache")
@@ -73,23 +173,14 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
         lowered = jax.jit(functools.partial(decode_step, tower), donate_argnums=(2,)).lower(params, token, cache)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
-    text = compiled.as_text()
-    cpu = target == "cpu"
-    eff = efficiency_for(topology)
-    sim = simulate(build_schedule(text), topology.placed(spec.placement()), spec.as_dict(), eff=eff,
-                   matmul_dtype=dtype if cpu else None, cpu_fixups=cpu, keep_timeline=False)
-    memory = compiled.memory_analysis()
     data = spec.size("data") * spec.size("fsdp")
-    analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology, eff)
+    analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology,
+                            efficiency_for(topology))
     return {
         "model": config.name, "mode": "decode", "mesh": spec.as_dict(), "topology": topology.name, "target": target,
         "rows": rows, "context": context, "compute_dtype": dtype,
-        "step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
-        "exposed_comm_s": sim.exposed_comm_s,
-        "memory": {"arguments": int(memory.argument_size_in_bytes), "temp": int(memory.temp_size_in_bytes),
-                   "aliased": int(memory.alias_size_in_bytes)},
-        "cache_aliased": "input_output_alias" in text,
-        "all_reduces": text.count("all-reduce-start(") + text.count(" all-reduce("),
+        **_priced(compiled, spec, topology, target, dtype),
+        "cache_aliased": "input_output_alias" in compiled.as_text(),
         "analytic_step_s": analytic.step_s, "analytic_memory_bytes": analytic.memory_bytes,
         "compile_s": compile_s,
     }
