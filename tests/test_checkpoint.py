@@ -198,3 +198,28 @@ def test_a_leaf_that_cannot_be_saved_fails_the_save_and_leaves_nothing(tmp_path)
     manager.save(1, {"a": np.ones((4, 4), np.float32)})
     manager.wait()
     assert manager.steps() == [1]
+
+
+@needs_devices(4)
+def test_ckpt_diff_exits_0_on_bit_identical_state_and_1_naming_what_differs(tmp_path, capsys):
+    from xlaopt.cli import main
+
+    mesh = _mesh((4,), ("fsdp",))
+    tree = _tree(mesh)
+    for name, t, data in (("a", tree, 12), ("b", tree, 12), ("c", dict(tree, step=jnp.int32(8)), 12),
+                          ("d", tree, 13)):
+        manager = CheckpointManager(tmp_path / name)
+        manager.save(40, t, {"data": {"cursor": data}})
+        manager.wait()
+    # Saved again on another mesh: the same bits, whatever the sharding.
+    other = CheckpointManager(tmp_path / "e")
+    other.save(40, _tree(_mesh((2, 2), ("data", "tensor"))), {"data": {"cursor": 12}})
+    other.wait()
+    assert main(["ckpt", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert main(["ckpt", "diff", str(tmp_path / "a"), str(tmp_path / "e"), "--step", "40"]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert main(["ckpt", "diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json", str(tmp_path / "d.json")]) == 1
+    assert json.loads((tmp_path / "d.json").read_text())["differing"] == ["step"]
+    assert "differing: step" in capsys.readouterr().out
+    assert main(["ckpt", "diff", str(tmp_path / "a"), str(tmp_path / "d")]) == 1
+    assert "the data positions differ" in capsys.readouterr().out

@@ -43,6 +43,8 @@ def test_resumed_run_matches_uninterrupted_run_bit_for_bit(tmp_path, store, caps
     # Same state, same batches, same program: the same losses exactly.
     assert [s["loss"] for s in rest["steps"]] == [s["loss"] for s in whole["steps"][3:]]
     assert rest["data"]["state"] == whole["data"]["state"]
+    # And the same final state, leaf for leaf and bit for bit, with the same data position.
+    assert main(["ckpt", "diff", str(tmp_path / "a"), str(tmp_path / "b"), "--step", "6"]) == 0
     # Resuming a finished run does nothing and says so.
     assert main(["train", *TINY, "--steps", "6", "--data", store, "--ckpt", str(tmp_path / "b"), "--resume"]) == 0
     assert "nothing to do" in capsys.readouterr().out

@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--step", type=int, default=None, help="default: the newest")
     p.add_argument("--json", default=None, metavar="OUT")
+    p = ckpt.add_parser("diff", help="exit 0 when two checkpoints hold bit-identical leaves and data position, "
+                                     "1 with the leaves that differ")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--step", type=int, default=None, help="this step in both (default: each one's newest)")
+    p.add_argument("--json", default=None, metavar="OUT")
     bench = sub.add_parser("bench", help="benchmarks against the anchors").add_subparsers(dest="bench_command",
                                                                                          required=True)
     p = bench.add_parser("checkpoint", help="disk vs xlaopt vs Orbax: save and cold restore of one sharded tree")
@@ -796,6 +802,16 @@ def cmd_ckpt(args) -> int:
             for fault in faults:
                 print(f"  {fault}")
         code = 0 if result["ok"] else 1
+    elif args.ckpt_command == "diff":
+        result = catalog.diff(args.a, args.b, args.step)
+        print(f"{args.a} (step {result['steps'][0]}) vs {args.b} (step {result['steps'][1]}): "
+              + ("identical" if result["identical"] else "differ"))
+        for what in ("differing", "only_in_a", "only_in_b"):
+            for name in result[what]:
+                print(f"  {what.replace('_', ' ')}: {name}")
+        if not result["data_state_equal"]:
+            print("  the data positions differ")
+        code = 0 if result["identical"] else 1
     else:
         result = catalog.describe(args.dir, args.step)
         print(f"step {result['step']}: {len(result['leaves'])} leaves, {sum(result['files'].values()) / 1e6:.1f} MB "

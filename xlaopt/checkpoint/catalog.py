@@ -1,4 +1,4 @@
-"""Read-only views of a checkpoint directory for `xlaopt ckpt ls|verify|inspect`."""
+"""Read-only views of checkpoint directories for `xlaopt ckpt ls|verify|inspect|diff`."""
 from __future__ import annotations
 
 import pathlib
@@ -53,3 +53,25 @@ def verify(root, step: int | None = None) -> dict:
 def describe(root, step: int | None = None) -> dict:
     root = open_root(root, create=False)
     return read_manifest(_step_dir(root, step))
+
+
+def diff(root_a, root_b, step: int | None = None) -> dict:
+    """Whether two checkpoints hold the same state: every leaf bit for bit (its bytes, so a NaN
+    equals itself and -0.0 differs from 0.0), the same tree, and the same data position. `step`
+    in both (default: each one's newest). Reading verifies every chunk's checksum."""
+    steps, leaves, metas = [], [], []
+    for root in (root_a, root_b):
+        step_dir = _step_dir(open_root(root, create=False), step)
+        manifest = read_manifest(step_dir)
+        steps.append(manifest["step"])
+        leaves.append(read_all(step_dir, manifest))
+        metas.append(manifest["meta"])
+    a, b = leaves
+    differing = [name for name in sorted(a.keys() & b.keys())
+                 if a[name].dtype != b[name].dtype or a[name].shape != b[name].shape
+                 or a[name].tobytes() != b[name].tobytes()]
+    data_equal = metas[0].get("data") == metas[1].get("data")
+    only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    return {"a": str(root_a), "b": str(root_b), "steps": steps, "leaves": len(a.keys() | b.keys()),
+            "differing": differing, "only_in_a": only_a, "only_in_b": only_b, "data_state_equal": data_equal,
+            "identical": not (differing or only_a or only_b) and data_equal}

@@ -39,8 +39,10 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Process 0's coordination service would otherwise listen on [::]:PORT, every interface, and
+    # it authenticates nobody: bind it to the address the job was given (loopback for a local job).
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=INIT_TIMEOUT_S)
+                               initialization_timeout=INIT_TIMEOUT_S, coordinator_bind_address=coordinator)
 
 
 def local_device_count(mesh_devices: int, num_processes: int) -> int:
