@@ -699,16 +699,18 @@ def cmd_models(args) -> int:
     from xlaopt.step import param_count
 
     rows = []
+    shape_fields = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "vocab_size")
     for name in registered_models():
         c = get_config(name)
         program = TrainProgram(c, settings=TrainSettings(family_of(c).default_batch(c)))
-        rows.append({"name": name, "family": c.family, "param_count": param_count(program), "d_model": c.d_model,
-                     "num_layers": c.num_layers, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
-                     "head_dim": c.head_dim, "mlp_dim": c.mlp_dim, "vocab_size": c.vocab_size})
-    print(f"{'model':<16}{'params':>10}  {'d_model':>7} {'layers':>6} {'heads':>5} {'kv':>3} {'mlp':>6}")
+        # A CNN has no transformer shape: its fields are absent (None), printed as "-".
+        rows.append({"name": name, "family": c.family, "param_count": param_count(program),
+                     **{f: getattr(c, f, None) for f in shape_fields}})
+    cell = lambda v: "-" if v is None else v  # noqa: E731
+    print(f"{'model':<16}{'family':>8}{'params':>10}  {'d_model':>7} {'layers':>6} {'heads':>5} {'kv':>3} {'mlp':>6}")
     for r in rows:
-        print(f"{r['name']:<16}{_human(r['param_count']):>10}  {r['d_model']:>7} {r['num_layers']:>6} "
-              f"{r['num_heads']:>5} {r['num_kv_heads']:>3} {r['mlp_dim']:>6}")
+        print(f"{r['name']:<16}{r['family']:>8}{_human(r['param_count']):>10}  {cell(r['d_model']):>7} "
+              f"{cell(r['num_layers']):>6} {cell(r['num_heads']):>5} {cell(r['num_kv_heads']):>3} {cell(r['mlp_dim']):>6}")
     print("params: counted from the abstract parameter tree (Cosmos 3: both towers, embedding, LM head, "
           "generator I/O; the reasoner's ViT image encoder is not modelled and not counted).")
     _write_json(args.json, {"models": rows})
