@@ -26,6 +26,7 @@ from xlaopt.analysis import costmodel as cm
 from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+from xlaopt.planning.shapes import tower_shape
 
 MODES = ("decode", "denoise")
 _BF16 = 2
@@ -72,8 +73,7 @@ def _tensor_dims(config) -> dict[str, int]:
 
 
 def _layer_params(config) -> int:
-    d, hk, nk = config.d_model, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return 2 * d * hk + 2 * d * nk + (3 if config.mlp_activation == "swiglu" else 2) * d * config.mlp_dim
+    return tower_shape(config).layer_params
 
 
 def _kv_heads_per_rank(config, tp: int) -> float:

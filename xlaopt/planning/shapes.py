@@ -85,14 +85,24 @@ def conv_shape(config) -> ConvShape:
                      conv_flops=forward_flops(config) - 2.0 * head_in * config.num_classes, head_in=head_in)
 
 
+def _tower_fields(config) -> dict:
+    mlp = "swiglu" if config.mlp_activation == "swiglu" else "gelu"  # relu2 and gelu: two matmuls
+    return dict(layers=config.num_layers, d_model=config.d_model, heads=config.num_heads,
+                kv_heads=config.num_kv_heads, ffn=config.mlp_dim, vocab=config.vocab_size, mlp=mlp,
+                kv_channels=config.head_dim)
+
+
+def tower_shape(config) -> DecoderShape:
+    """One transformer tower of a registered config (a decoder, or one of Cosmos 3's two),
+    for what does not depend on the rows: its layers' weights."""
+    return DecoderShape(**_tower_fields(config))
+
+
 def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fraction: float = 1.0) -> DecoderShape:
     """The shape of a registered config. Cosmos 3 needs the priced rows' attention pairs."""
     if config.family == "resnet":
         return conv_shape(config)
-    mlp = "swiglu" if config.mlp_activation == "swiglu" else "gelu"  # relu2 and gelu: two matmuls
-    common = dict(layers=config.num_layers, d_model=config.d_model, heads=config.num_heads,
-                  kv_heads=config.num_kv_heads, ffn=config.mlp_dim, vocab=config.vocab_size, mlp=mlp,
-                  kv_channels=config.head_dim)
+    common = _tower_fields(config)
     if config.family == "decoder":
         return DecoderShape(**common, tied_embeddings=config.tie_embeddings)
     if config.family == "vit":  # one tower, every token sees its whole image, the head on one pooled vector an image
