@@ -1,5 +1,6 @@
 """Checkpoints: bit-exact round trips onto other meshes, retention, tree checks, integrity."""
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,39 @@ def test_save_snapshots_before_returning_so_training_may_reuse_the_buffers(tmp_p
     assert info.bytes == sum(np.asarray(x).nbytes for x in jax.tree.leaves(expected))
     restored, _, _ = manager.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), expected))
     _assert_equal(expected, restored)
+
+
+@needs_devices(8)
+def test_save_then_donated_update_commits_the_values_from_before_the_update(tmp_path):
+    mesh = _mesh((8,), ("fsdp",))
+    rng = np.random.default_rng(2)
+    rows, replicated = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P())
+    # Large enough (64 MiB) that the copies are still running when the update is dispatched;
+    # one leaf replicated, so both ways of copying (whole arrays, single shards) are exercised.
+    tree = {"w": [jax.device_put(rng.standard_normal((1024, 2048), np.float32), rows) for _ in range(7)],
+            "r": jax.device_put(rng.standard_normal((1024, 2048), np.float32), replicated),
+            "host": np.arange(6, dtype=np.int32)}
+    expected = jax.tree.map(np.array, tree)
+    donated = {"w": tree["w"], "r": tree["r"]}
+    pointers = [x.addressable_shards[0].data.unsafe_buffer_pointer() for x in jax.tree.leaves(donated)]
+    # Compiled beforehand, so the update starts right after the save returns, as a train step does.
+    update = jax.jit(lambda t: jax.tree.map(lambda x: x * 2, t), donate_argnums=0).lower(donated).compile()
+    manager = CheckpointManager(tmp_path)
+    t0 = time.perf_counter()
+    info = manager.save(1, tree)
+    arrays = update(donated)
+    tree["host"] += 1  # a host leaf, changed in place
+    manager.wait()
+    saved_s = time.perf_counter() - t0
+    # The update ran in place on the very buffers the save copies from: a copy not ordered
+    # before it would have read updated values.
+    assert all(x.is_deleted() for x in jax.tree.leaves(donated))
+    assert [x.addressable_shards[0].data.unsafe_buffer_pointer() for x in jax.tree.leaves(arrays)] == pointers
+    restored, _, _ = manager.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), expected))
+    _assert_equal(expected, restored)
+    np.testing.assert_array_equal(np.asarray(arrays["r"]), expected["r"] * 2)
+    assert info.bytes == sum(x.nbytes for x in jax.tree.leaves(expected))  # the replicated leaf once
+    assert 0 < info.blocking_s < saved_s
 
 
 @needs_devices(8)

@@ -1,5 +1,5 @@
-"""Write a host snapshot into a step's temporary directory with tensorstore, durably,
-holding at most a bounded number of bytes in flight beyond the snapshot itself."""
+"""Write a snapshot into a step's temporary directory with tensorstore, durably, bringing its
+shards to host one at a time and holding at most a bounded number of bytes in flight."""
 from __future__ import annotations
 
 import collections
@@ -7,6 +7,7 @@ import concurrent.futures
 import itertools
 import pathlib
 
+import numpy as np
 import tensorstore as ts
 
 from xlaopt.checkpoint.layout import ARRAYS, CheckpointError, fsync_dir, fsync_file
@@ -40,8 +41,12 @@ def region_of(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ..
 
 def write_leaves(step_tmp: pathlib.Path, leaves: list[LeafSnapshot], context: ts.Context,
                  inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
-    """Write every shard in `leaves`, releasing each host copy once it is written, and fsync
-    every file and directory. Errors name the array and the file."""
+    """Write every shard in `leaves`, releasing each copy once it is written, and fsync every
+    file and directory. Errors name the array and the file.
+
+    A shard on a device comes to host just before its write is queued: an accelerator's host
+    memory then holds at most about `inflight_bytes` of the snapshot; on CPU `np.asarray` is a
+    view of the copy, so nothing is copied again."""
     arrays_dir = step_tmp / ARRAYS
     pending = collections.deque()  # (future, leaf, files, nbytes)
     in_flight = 0
@@ -66,10 +71,12 @@ def write_leaves(step_tmp: pathlib.Path, leaves: list[LeafSnapshot], context: ts
                 store = ts.open(dict(spec, create=True, open=True), context=context).result()
             except Exception as e:
                 raise CheckpointError(f"creating {leaf.name} in {array_dir}: {e}") from None
-            for k, (index, data) in enumerate(leaf.shards):
+            shards = leaf.take_shards()
+            for k, (index, data) in enumerate(shards):
+                data = np.asarray(data)  # waits for this shard's device copy, if still running
                 files = [chunk_path(array_dir, c) for c in chunk_coords(region_of(index, leaf.shape), leaf.chunk)]
                 pending.append((store[index].write(data), leaf, files, data.nbytes))
-                leaf.shards[k] = (index, None)  # the future keeps the data alive until written
+                shards[k] = (index, None)  # the future keeps the data alive until written
                 in_flight += data.nbytes
                 while in_flight > inflight_bytes and pending:
                     land(pending.popleft())
