@@ -8,11 +8,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
+import time
+import traceback
 
 from xlaopt.errors import UserError
+from xlaopt.io.outputs import check_outputs
 from xlaopt.mesh import MeshSpec, make_mesh, request_cpu_devices
 from xlaopt.models.registry import get_config, parse_overrides, registered_models
 
@@ -128,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "and --process-id). Each process brings mesh devices / N devices and reads its own rows")
     p.add_argument("--num-processes", type=int, default=None, metavar="N")
     p.add_argument("--process-id", type=int, default=None, metavar="I")
+    p.add_argument("--processes", type=int, default=None, metavar="N",
+                   help="run as a local job of N processes (a free loopback port for the coordinator, mesh "
+                        "devices / N each), supervised and reported as one")
+    p.add_argument("--peer-timeout", type=float, default=None, metavar="S",
+                   help="in a multi-process job, stop with an error naming the culprit once no step has finished "
+                        "for S seconds (a dead, stopped or stuck process; default 60)")
+    p.add_argument("--on-nonfinite", default="stop", choices=("stop", "skip"),
+                   help="a step whose loss, gradients or updated state are not all finite: stop the run before "
+                        "saving that state (what is committed stays finite; default), or skip such steps' updates "
+                        "and count them")
+    p.add_argument("--learning-rate", type=float, default=None, metavar="LR",
+                   help="peak AdamW learning rate (default: xlaopt.program.TrainSettings')")
     p.add_argument("--topology", default=None, help=_CLUSTER_HELP)
     p = sub.add_parser("verify", help="one gradient step sharded on the mesh vs on one device")
     _program_args(p, "float32")
@@ -322,6 +338,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# dest -> (flag, lowest, highest) of integer flags, whichever commands have them; each was once
+# taken silently (`--global-batch 0` as the default rows, `--top -1` as 0) or refused late (a
+# negative --seed by numpy after the compile). Flags refused early by the code that reads them
+# (--steps, --samples, --devices, --seq, the batch sizes, the process counts) are not repeated.
+_COUNTS = {"seed": ("--seed", 0, 2**32 - 1), "keep": ("--keep", 1, None), "keep_every": ("--keep-every", 1, None),
+           "top": ("--top", 0, None), "rows": ("--rows", 0, None), "global_batch": ("--global-batch", 1, None),
+           "context": ("--context", 1, None), "text_tokens": ("--text-tokens", 1, None),
+           "gen_tokens": ("--gen-tokens", 1, None), "new_tokens": ("--new-tokens", 1, None)}
+# Float flags that must be finite and > 0 (`bench checkpoint --size-gb -1` ran and reported).
+_POSITIVE = {"size_gb": "--size-gb", "shard_mb": "--shard-mb", "temperature": "--temperature"}
+
+
+def _check_counts(args) -> None:
+    for dest, (flag, low, high) in _COUNTS.items():
+        value = getattr(args, dest, None)
+        if value is not None and (value < low or (high is not None and value > high)):
+            raise UserError(f"{flag} {value}: must be " + (f"at least {low}" if high is None else f"in [{low}, {high}]"))
+    for dest, flag in _POSITIVE.items():
+        value = getattr(args, dest, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(f"{flag} {value:g}: must be a finite number > 0")
+
+
+# What str.splitlines breaks at: a message quoting input that holds one would print as two lines.
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 # The device nodes JAX's own check looks for (jax._src.hardware_utils.has_visible_nvidia_gpu, 0.10.2).
 _NVIDIA_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 
@@ -350,13 +393,38 @@ def _choose_platform() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from xlaopt.runtime.goodput import process_start_time
+
+    started = min(process_start_time(), time.time())  # /proc's boot time has 1 s resolution
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv, args.started = argv, started
     _choose_platform()
     try:
+        _check_counts(args)  # before any work, as the outputs: a bad value costs no compile,
+        check_outputs(args)  # and an unwritable output cannot lose a finished run's results
         return _COMMANDS[args.command](args)
     except UserError as e:
-        print(f"xlaopt {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"xlaopt {args.command}: error: {str(e).translate(_LINE_BREAKS)}", file=sys.stderr)
+        code = getattr(e, "exit_code", 2)
+    except BaseException:
+        if not _joined_job():
+            raise
+        traceback.print_exc()
+        code = 1
+    if _joined_job():
+        # A process of a job that failed: jax.distributed's exit handler would wait in a shutdown
+        # barrier for peers that are stopping on their own (xlaopt.runtime.faults), then abort.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _joined_job() -> bool:
+    from xlaopt.runtime import distributed
+
+    return distributed.joined()
 
 
 def _program_on_devices(args):
@@ -372,7 +440,7 @@ def _program_on_devices(args):
     job = [getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")]  # `train` only
     if distributed.check_args(*job):
         request_cpu_devices(distributed.local_device_count(mesh.num_devices, args.num_processes))
-        distributed.initialize(*job)
+        distributed.initialize(*job, _peer_timeout(args))
     else:
         request_cpu_devices(mesh.num_devices)
     make_mesh(mesh)  # enough devices? say so before any compilation or data making
@@ -430,7 +498,12 @@ def _program(args, config, mesh, rules, batch, target: str = "cpu"):
 
     base = args.layout_execution or ExecutionConfig()
     execution = parse_execution(args.exec, dataclasses.replace(base, compute_dtype=args.dtype))
-    return TrainProgram(config, mesh, rules=rules, settings=TrainSettings(batch=batch, seed=args.seed),
+    settings = TrainSettings(batch=batch, seed=args.seed)
+    if getattr(args, "learning_rate", None) is not None:  # `train` only
+        settings = dataclasses.replace(settings, learning_rate=args.learning_rate)
+    if getattr(args, "on_nonfinite", None) is not None:  # `train` only
+        settings = dataclasses.replace(settings, nonfinite=args.on_nonfinite)
+    return TrainProgram(config, mesh, rules=rules, settings=settings,
                         execution=execution, target=target, compiler_options=CompilerOptions.parse(args.xla_option))
 
 
@@ -475,11 +548,24 @@ def _write_json(path: str | None, result: dict) -> None:
             json.dump(result, f, indent=2, default=str)
 
 
+def _peer_timeout(args) -> float:
+    from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S
+
+    timeout = DEFAULT_PEER_TIMEOUT_S if args.peer_timeout is None else args.peer_timeout
+    if not 0 < timeout <= 86400:
+        raise UserError(f"--peer-timeout {args.peer_timeout:g}: need seconds in (0, 86400]")
+    return timeout
+
+
 def cmd_train(args) -> int:
     if args.steps < 1:
         raise UserError(f"--steps {args.steps}: need at least 1 step")
+    if args.learning_rate is not None and not (math.isfinite(args.learning_rate) and args.learning_rate >= 0):
+        raise UserError(f"--learning-rate {args.learning_rate:g}: need a finite rate >= 0")
+    if args.processes is not None:
+        return _launch_train(args)
     program = _program_on_devices(args)
-    from xlaopt.runtime.train import format_summary, train
+    from xlaopt.runtime.train import FaultOptions, format_summary, train
 
     ckpt = None
     if args.ckpt is not None:
@@ -494,13 +580,25 @@ def cmd_train(args) -> int:
     import jax
 
     lead = jax.process_index() == 0  # in a multi-process job, one process reports
+    faults = FaultOptions(_peer_timeout(args), args.started)
     result = train(program, args.steps, progress=lead and not args.no_progress, data_dir=args.data, ckpt=ckpt,
-                   skip_oversize=args.skip_oversize)
+                   skip_oversize=args.skip_oversize, faults=faults)
     result["passes"] = passes
     if lead:
         print(result["message"] if not result["steps"] else format_summary(result))
         _write_json(args.json, result)
     return 0
+
+
+def _launch_train(args) -> int:
+    """`train --processes N`: checked here, then run as N local processes (one of them: in-process)."""
+    from xlaopt.runtime import launch
+
+    launch.check_processes(args.processes, args.coordinator, _layout(args).mesh.num_devices)
+    argv = launch.strip_option(args.argv[1:], "--processes")
+    if args.processes == 1:
+        return main(["train", *argv])
+    return launch.launch(argv, args.processes, _peer_timeout(args))
 
 
 def cmd_verify(args) -> int:

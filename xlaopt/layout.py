@@ -156,6 +156,8 @@ def _typed_table(data: dict, key: str, cls: type, where: str):
 
 def load_layout(path: str | pathlib.Path) -> Layout:
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise LayoutError(f"layout file {path} is a directory; give the file, e.g. {path / 'layout.toml'}")
     if not path.is_file():
         raise LayoutError(f"layout file {path} does not exist")
     try:
@@ -163,6 +165,8 @@ def load_layout(path: str | pathlib.Path) -> Layout:
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LayoutError(f"{path}: not {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") from None
+    except OSError as e:
+        raise LayoutError(f"layout file {path}: cannot read: {e.strerror}") from None
     return parse_layout(data, str(path))
 
 

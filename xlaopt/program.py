@@ -23,6 +23,8 @@ from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.sharding import DEFAULT_RULES, Rule, validate_rules
+
+NONFINITE = ("none", "stop", "skip")
 from xlaopt.transforms import GradTransform, HloTransform
 from xlaopt.transforms.compiler_options import CompilerOptions
 
@@ -37,6 +39,14 @@ class TrainSettings:
     b2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
+    # What a step checks of its loss, gradients and updated state being finite: "none"; "stop":
+    # it reports `nonfinite` (the training loop stops before saving such a state); "skip": such
+    # a step leaves the state as it was (`skipped`), as float16's loss scaling does on overflow.
+    nonfinite: str = "none"
+
+    def __post_init__(self):
+        if self.nonfinite not in NONFINITE:
+            raise UserError(f"nonfinite={self.nonfinite!r}: choose one of {', '.join(NONFINITE)}")
 
 
 class TrainState(NamedTuple):

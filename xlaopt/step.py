@@ -152,16 +152,34 @@ def build_train_step(program: TrainProgram):
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
-        if not scaled:
+        check = program.settings.nonfinite
+        if not scaled and check != "skip":
+            if check == "stop":
+                metrics.update(nonfinite=_nonfinite(loss, params, opt_state))
             return TrainState(state.step + 1, params, opt_state, None, model_state), metrics
+        # float16 skips a step whose gradients overflowed (the loss scale's own business);
+        # "skip" also one whose loss or updated state is not finite (finite gradients can still
+        # overflow AdamW's squared moments).
         finite = loss_scale.all_finite(grads)
+        if check == "skip":
+            finite &= ~_nonfinite(loss, params, opt_state).astype(bool)
         params, opt_state, model_state = loss_scale.keep_if(finite, (params, opt_state, model_state),
                                                             (state.params, state.opt_state, state.model_state))
-        metrics.update(loss_scale=state.loss_scale.value, skipped=(~finite).astype(jnp.float32))
+        metrics.update(skipped=(~finite).astype(jnp.float32))
+        if check == "stop":  # what a skipped step keeps is the state it started from
+            metrics.update(nonfinite=_nonfinite(jnp.where(finite, loss, 0.0), params, opt_state))
+        if not scaled:
+            return TrainState(state.step + 1, params, opt_state, None, model_state), metrics
+        metrics.update(loss_scale=state.loss_scale.value)
         scale = loss_scale.next_scale(state.loss_scale, finite, interval)
         return TrainState(state.step + 1, params, opt_state, scale, model_state), metrics
 
     return train_step
+
+
+def _nonfinite(loss, params, opt_state):
+    """1.0 when the loss or the updated state holds an inf or a nan."""
+    return (~(jnp.isfinite(loss) & loss_scale.all_finite((params, opt_state)))).astype(jnp.float32)
 
 
 def build_init(program: TrainProgram):

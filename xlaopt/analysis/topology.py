@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import re
 import tomllib
@@ -123,19 +124,38 @@ def device_for_kind(kind: str) -> Device | None:
 
 def preset(name: str, nodes: int | None = None, devices_per_node: int | None = None) -> Topology:
     if name == "cpu":
+        dpn = 8 if devices_per_node is None else devices_per_node
         if nodes not in (None, 1):  # it used to be taken as one node of devices_per_node, silently
-            raise TopologyError(f"cpu:{nodes}x{devices_per_node}: the simulated CPU devices are one host, so the cpu "
-                                f"preset has one node (cpu:1x{nodes * (devices_per_node or 8)}); for a cluster's "
-                                f"nodes give its preset, e.g. h100:{nodes}x{devices_per_node or 8}")
-        return cpu_simulation(devices_per_node or 8)
+            _check_shape(f"cpu:{nodes}x{dpn}", nodes, dpn)
+            raise TopologyError(f"cpu:{nodes}x{dpn}: the simulated CPU devices are one host, so the cpu "
+                                f"preset has one node (cpu:1x{nodes * dpn}); for a cluster's "
+                                f"nodes give its preset, e.g. h100:{nodes}x{dpn}")
+        _check_shape(f"cpu:1x{dpn}", 1, dpn)
+        return cpu_simulation(dpn)
     if name not in _DEVICES:
         raise TopologyError(f"unknown topology preset {name!r}; presets: {', '.join(PRESETS)} "
                             f"(or give a TOML/JSON file)")
     default_nodes, default_dpn = _DEFAULT_SHAPE[name]
-    nodes, dpn = nodes or default_nodes, devices_per_node or default_dpn
+    # `is None`, not `or`: h100:0x8 used to become h100:1x8 silently.
+    nodes = default_nodes if nodes is None else nodes
+    dpn = default_dpn if devices_per_node is None else devices_per_node
+    _check_shape(f"{name}:{nodes}x{dpn}", nodes, dpn)
     if name == "gb200" and dpn > 72:
         raise TopologyError(f"gb200: an NVL72 domain holds at most 72 GPUs, not {dpn}")
     return Topology(f"{name}:{nodes}x{dpn}", _DEVICES[name], nodes, dpn, _LEVELS[name])
+
+
+# More devices than any cluster has (131,072): beyond it a spec is a typo such as h100:100000x8,
+# whose global batch alone would not fit in host memory.
+MAX_DEVICES = 1 << 17
+
+
+def _check_shape(spec: str, nodes: int, devices_per_node: int) -> None:
+    if nodes < 1 or devices_per_node < 1:
+        raise TopologyError(f"topology {spec}: nodes and devices per node must be at least 1, e.g. h100:2x8")
+    if nodes * devices_per_node > MAX_DEVICES:
+        raise TopologyError(f"topology {spec}: {nodes * devices_per_node} devices; at most {MAX_DEVICES} are "
+                            f"supported (a typo in NODESxDEVICES?)")
 
 
 SIMULATED_CPU = "simulated CPU device"
@@ -185,8 +205,10 @@ def parse_topology(text: str) -> Topology:
                             f"nor an existing TOML/JSON file")
     try:
         data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TopologyError(f"topology file {path}: cannot parse: {e}") from None
+    except OSError as e:
+        raise TopologyError(f"topology file {path}: cannot read: {e.strerror}") from None
     return from_dict(data, str(path))
 
 
@@ -194,24 +216,49 @@ def from_dict(data: dict, where: str = "topology") -> Topology:
     """Build a topology from plain data:
     {name, nodes, devices_per_node,
      device: {name, peak_flops: {dtype: FLOP/s}, hbm_bytes, hbm_bytes_per_s},
-     levels: [{name, bytes_per_s, latency_s}, ...]  (innermost first)}"""
+     levels: [{name, bytes_per_s, latency_s}, ...]  (innermost first)}
+    Every count is a whole number and every rate a finite number: a zero bandwidth divided the
+    prices by zero, a fractional node count was truncated, NaN priced every step as NaN."""
     def need(obj: dict, key: str, ctx: str):
         if not isinstance(obj, dict) or key not in obj:
             raise TopologyError(f"{where}: missing field {ctx}{key}")
         return obj[key]
 
+    def count(obj: dict, key: str) -> int:
+        value = need(obj, key, "")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TopologyError(f"{where}: {key} = {value!r} must be a whole number >= 1")
+        return value
+
+    def number(obj: dict, key: str, ctx: str, positive: bool = True) -> float:
+        value = need(obj, key, ctx)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (positive and value == 0):
+            raise TopologyError(f"{where}: {ctx}{key} = {value!r} must be a finite number "
+                                f"{'> 0' if positive else '>= 0'}")
+        return float(value)
+
     device = need(data, "device", "")
     levels = need(data, "levels", "")
     if not isinstance(levels, list) or not levels:
         raise TopologyError(f"{where}: levels must be a non-empty list, innermost first")
-    try:
-        return Topology(
-            name=str(data.get("name", where)),
-            device=Device(str(need(device, "name", "device.")), dict(need(device, "peak_flops", "device.")),
-                          float(need(device, "hbm_bytes", "device.")), float(need(device, "hbm_bytes_per_s", "device."))),
-            nodes=int(need(data, "nodes", "")), devices_per_node=int(need(data, "devices_per_node", "")),
-            levels=tuple(LinkLevel(str(need(l, "name", f"levels[{i}].")), float(need(l, "bytes_per_s", f"levels[{i}].")),
-                                   float(need(l, "latency_s", f"levels[{i}].")))
-                         for i, l in enumerate(levels)))
-    except (TypeError, ValueError) as e:
-        raise TopologyError(f"{where}: bad value: {e}") from None
+    peaks = need(device, "peak_flops", "device.")
+    if not isinstance(peaks, dict) or "bfloat16" not in peaks:
+        raise TopologyError(f"{where}: device.peak_flops must be a table of dtype = FLOP/s with a bfloat16 entry "
+                            f"(the price of every matmul starts from it), e.g. {{ bfloat16 = 989e12 }}")
+    name = data.get("name", where)
+    if not isinstance(name, str):
+        raise TopologyError(f"{where}: name = {name!r} must be a string")
+    nodes, per_node = count(data, "nodes"), count(data, "devices_per_node")
+    _check_shape(where, nodes, per_node)
+    return Topology(
+        name=name,
+        device=Device(str(need(device, "name", "device.")),
+                      {dtype: number(peaks, dtype, "device.peak_flops.") for dtype in peaks},
+                      number(device, "hbm_bytes", "device.", positive=False),
+                      number(device, "hbm_bytes_per_s", "device.")),
+        nodes=nodes, devices_per_node=per_node,
+        levels=tuple(LinkLevel(str(need(level, "name", f"levels[{i}].")),
+                               number(level, "bytes_per_s", f"levels[{i}]."),
+                               number(level, "latency_s", f"levels[{i}].", positive=False))
+                     for i, level in enumerate(levels)))

@@ -19,6 +19,8 @@ import pathlib
 import re
 import shutil
 
+import numpy as np
+
 from xlaopt.errors import UserError
 
 FORMAT = "xlaopt-checkpoint"
@@ -57,6 +59,8 @@ def open_root(root: str | os.PathLike, create: bool) -> pathlib.Path:
             info = json.loads(marker.read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker}: unreadable ({e})") from None
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{marker}: not a checkpoint root marker (a JSON object with format and version)")
         if info.get("format") != FORMAT or info.get("version") != VERSION:
             raise CheckpointError(f"{marker}: format {info.get('format')} v{info.get('version')}, "
                                   f"this xlaopt reads {FORMAT} v{VERSION}")
@@ -150,10 +154,69 @@ def read_manifest(step_dir: pathlib.Path) -> dict:
         raise CheckpointError(f"{step_dir}: no {MANIFEST}; not a committed checkpoint") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: not a manifest (a JSON object); the checkpoint is damaged")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: format {manifest.get('format')} v{manifest.get('version')}, "
                               f"this xlaopt reads {FORMAT} v{VERSION}")
     for key in ("step", "leaves", "files", "meta"):
         if key not in manifest:
             raise CheckpointError(f"{path}: missing field {key!r}; the checkpoint is damaged")
+    _check_manifest(step_dir, path, manifest)
     return manifest
+
+
+def _check_manifest(step_dir: pathlib.Path, path: pathlib.Path, manifest: dict) -> None:
+    """The manifest's fields have the types its readers index them by, and every path it names
+    stays inside the step: it is input, and a damaged one must fail here, by name, not as a
+    KeyError in whichever reader touches the field first."""
+    def bad(what: str):
+        return CheckpointError(f"{path}: {what}; the checkpoint is damaged or was not written by xlaopt")
+
+    def dims(value) -> bool:
+        return isinstance(value, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in value)
+
+    step = manifest["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad(f"step = {step!r} is not a step number")
+    if not isinstance(manifest["meta"], dict):
+        raise bad("meta is not a table")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                              for n in files.values()):
+        raise bad("files is not a table of file sizes")
+    for relative in files:
+        confined(step_dir, relative, resolve=False)
+    leaves = manifest["leaves"]
+    if not isinstance(leaves, list):
+        raise bad("leaves is not a list")
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, dict):
+            raise bad(f"leaves[{i}] is not a table")
+        missing = [k for k in ("name", "shape", "dtype", "chunk", "sharding") if k not in leaf]
+        if missing:
+            raise bad(f"leaves[{i}] lacks {', '.join(missing)}")
+        if not isinstance(leaf["name"], str) or not isinstance(leaf["dtype"], str):
+            raise bad(f"leaves[{i}]: name and dtype must be strings")
+        sharding = leaf["sharding"]
+        if sharding is not None and not (isinstance(sharding, dict) and {"mesh", "spec"} <= set(sharding)):
+            raise bad(f"leaf {leaf['name']}: sharding {sharding!r} is neither null nor {{mesh, spec}}")
+        confined(step_dir, f"{ARRAYS}/{leaf['name']}", resolve=False)
+        shape, chunk = leaf["shape"], leaf["chunk"]
+        if not (dims(shape) and dims(chunk) and len(chunk) == len(shape)
+                and all(c >= 1 or n == 0 for c, n in zip(chunk, shape))):
+            raise bad(f"leaf {leaf['name']}: shape {shape!r} and chunk {chunk!r} must be lists of sizes, one per "
+                      f"dimension")
+        if not _array_dtype(leaf["dtype"]):
+            raise bad(f"leaf {leaf['name']}: dtype {leaf['dtype']!r} is not an array dtype")
+
+
+def _array_dtype(name: str) -> bool:
+    import ml_dtypes  # registers bfloat16 and the float8s with numpy
+
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        return False
+    return dtype.kind in "biufc" or getattr(ml_dtypes, dtype.name, None) is dtype.type

@@ -55,19 +55,25 @@ def tree_differences(manifest: dict, names: list[str], leaves: list) -> tuple[li
     return missing, unexpected, mismatched
 
 
+def _ts_message(e: Exception) -> str:
+    """Tensorstore's message without the JSON spec it appends (a few hundred characters of
+    context settings, the path again): the file and the fault come first."""
+    return str(e).split(" [tensorstore_spec=")[0]
+
+
 def _open(step_dir: pathlib.Path, name: str, context):
     path = confined(step_dir, f"{ARRAYS}/{name}")
     try:
         return ts.open(open_spec(path), context=context).result()
     except Exception as e:
-        raise CheckpointError(f"{name}: cannot open {path}: {e}") from None
+        raise CheckpointError(f"{name}: cannot open {path}: {_ts_message(e)}") from None
 
 
 def _result(future, name: str):
     try:
         return future.result()
     except Exception as e:  # tensorstore's message names the file and the digest mismatch
-        raise CheckpointError(f"{name}: {e}") from None
+        raise CheckpointError(f"{name}: {_ts_message(e)}") from None
 
 
 def restore_tree(step_dir: pathlib.Path, manifest: dict, target, partial: bool = False):

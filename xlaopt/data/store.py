@@ -74,7 +74,12 @@ class StoreWriter:
         self.dir = pathlib.Path(directory)
         if (self.dir / "manifest.json").exists():
             raise StoreError(f"{self.dir} already holds a sample store; pick an empty directory")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.dir.exists() and not self.dir.is_dir():
+            raise StoreError(f"{self.dir} is a file, not a directory; pick a new or empty directory for the store")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot make the store directory {self.dir}: {e.strerror}") from None
         self.widths, self.shard_bytes = dict(widths), shard_bytes
         self._pending: list[Sample] = []
         self._pending_bytes = 0
@@ -187,23 +192,21 @@ class SampleStore:
             raise StoreError(f"{self.dir} has no manifest.json: not a sample store, or an interrupted write")
         try:
             self.manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise StoreError(f"{manifest_path}: unreadable manifest ({e})") from None
+        except OSError as e:
+            raise StoreError(f"{manifest_path}: cannot read the manifest: {e.strerror}") from None
+        if not isinstance(self.manifest, dict):
+            raise StoreError(f"{manifest_path}: not a manifest (a JSON object); the store is damaged")
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
             raise StoreError(f"{manifest_path}: format {self.manifest.get('format')!r} version "
                              f"{self.manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}; an "
                              f"older store is written again from its source (`xlaopt data make` for a "
                              f"synthetic one)")
-        names = {v: k for k, v in MODALITY_NAMES.items()}
-        self.widths = {names[k]: int(v) for k, v in self.manifest["widths"].items()}
-        self._shards = []
-        starts = [0]
+        self.widths, self._shards, starts = _check_manifest(self.manifest, manifest_path), [], [0]
         for shard in self.manifest["shards"]:
-            name = shard["name"]
-            if not name.startswith("shard-") or "/" in name or ".." in name:
-                raise StoreError(f"{manifest_path}: shard name {name!r} is not a shard of this directory")
-            self._shards.append(name)
-            starts.append(starts[-1] + int(shard["num_samples"]))
+            self._shards.append(shard["name"])
+            starts.append(starts[-1] + shard["num_samples"])
         self._starts = np.asarray(starts)
         self._arrays: dict[tuple[str, str], ts.TensorStore] = {}
         self._index: dict[str, np.ndarray] = {}
@@ -320,6 +323,42 @@ class SampleStore:
             return future.result()
         except ValueError as e:
             raise StoreError(f"sample store {self.dir}: cannot read {shard}/{name}: {e}") from None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_manifest(manifest: dict, path: pathlib.Path) -> dict[int, int]:
+    """The modality widths of a store's manifest, after checking the fields its readers index
+    (a damaged manifest fails here, naming the field, not as a KeyError in a reader), and that
+    every shard it names is a directory of this store."""
+    def bad(what: str):
+        return StoreError(f"{path}: {what}; the store is damaged (write it again: `xlaopt data make`)")
+
+    missing = [k for k in ("num_samples", "widths", "shards", "stats") if k not in manifest]
+    if missing:
+        raise bad(f"missing field {', '.join(map(repr, missing))}")
+    names = {v: k for k, v in MODALITY_NAMES.items()}
+    widths = manifest["widths"]
+    if not isinstance(widths, dict) or any(k not in names or not _count(v) for k, v in widths.items()):
+        raise bad(f"widths = {widths!r} must map modalities ({', '.join(n for n in names if names[n] != TEXT_ONLY)})"
+                  f" to latent widths")
+    shards = manifest["shards"]
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and {"name", "num_samples"} <= set(s)
+                                               for s in shards):
+        raise bad("shards must be a list of {name, num_samples}")
+    for shard in shards:
+        name = shard["name"]
+        if not isinstance(name, str) or not name.startswith("shard-") or "/" in name or ".." in name:
+            raise StoreError(f"{path}: shard name {name!r} is not a shard of this directory")
+        if not _count(shard["num_samples"]):
+            raise bad(f"shard {name}: num_samples = {shard['num_samples']!r} is not a count")
+    if not _count(manifest["num_samples"]) or manifest["num_samples"] != sum(s["num_samples"] for s in shards):
+        raise bad(f"num_samples = {manifest['num_samples']!r} is not the sum of its shards' counts")
+    if not isinstance(manifest["stats"], dict):
+        raise bad("stats is not a table")
+    return {names[k]: v for k, v in widths.items()}
 
 
 class _CheckedRows:

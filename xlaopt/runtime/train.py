@@ -1,8 +1,10 @@
 """The training loop: compile the program, stream batches, step, time, summarise."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -19,6 +21,8 @@ from xlaopt.data.store import SampleStore
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.program import TrainProgram
+from xlaopt.runtime import distributed, goodput
+from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S, PeerLost, PeerWatch, RunFailed, StopSignal
 from xlaopt.runtime.progress import ProgressBar
 from xlaopt.step import param_count
 
@@ -41,6 +45,15 @@ class CheckpointOptions:
 
     def due(self, done: int, steps: int) -> bool:
         return done == steps or (self.every is not None and done % self.every == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultOptions:
+    """How the run meets faults (xlaopt.runtime.faults); a non-finite loss or state is the
+    program's `TrainSettings.nonfinite`. `started`: when the process started (time.time()),
+    for goodput's start-up share."""
+    peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+    started: float | None = None
 
 
 def _run_meta(program: TrainProgram, loader) -> dict:
@@ -76,7 +89,8 @@ _FORMER_MODEL_FIELDS = ("remat", "attention_block", "attention")
 
 
 def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None,
-          ckpt: CheckpointOptions | None = None, skip_oversize: bool = False) -> dict:
+          ckpt: CheckpointOptions | None = None, skip_oversize: bool = False,
+          faults: FaultOptions = FaultOptions()) -> dict:
     """Train up to step `steps` on a sample store (`data_dir`, Cosmos 3) or on the family's
     synthetic stream; returns the run's JSON-able summary.
 
@@ -85,33 +99,42 @@ def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: st
     compute). Rates and MFU use steps after the first (its time includes warm-up).
     With `ckpt`, the state and the data position are saved asynchronously; a resumed run
     sees exactly the batches an uninterrupted one would. The loader and the checkpoint
-    manager are closed however the run ends, a step that raises included.
+    manager are closed however the run ends, a step that raises included. SIGTERM stops the
+    run after a step every process agrees on, with one final save (`stopped_by`).
     """
     if program.execution.attention == "io_only":
         raise UserError("execution setting attention=io_only is a pricing stand-in that computes wrong values; "
                         "train with attention=dense or blockwise")
-    run = _Run(program, ckpt)
-    try:
-        run.setup(data_dir, skip_oversize)
-        if run.start >= steps:
+    watch = (PeerWatch(faults.peer_timeout_s, distributed.client(), jax.process_index(), jax.process_count())
+             if jax.process_count() > 1 else None)
+    with watch or contextlib.nullcontext():
+        run = _Run(program, ckpt, faults, watch)
+        try:
+            run.setup(data_dir, skip_oversize)
+            if run.start >= steps:
+                run.close()
+                return {"model": program.model.name, "steps": [], "resumed_from": run.start,
+                        "message": f"{ckpt.directory} is at step {run.start}; nothing to do for --steps {steps}"}
+            records, tokens, flops, saves = run.loop(steps, progress)
             run.close()
-            return {"model": program.model.name, "steps": [], "resumed_from": run.start,
-                    "message": f"{ckpt.directory} is at step {run.start}; nothing to do for --steps {steps}"}
-        records, tokens, flops, saves = run.loop(steps, progress)
-        run.close()
-    except BaseException:
-        run.close(failed=True)
-        raise
-    return _summary(run, data_dir, records, tokens, flops, saves)
+        except BaseException as e:
+            if watch is not None:
+                watch.report(f"{type(e).__name__}: {e}")
+            # A save in flight waits at a barrier for the lost peer: it can never commit.
+            run.close(failed=True, wait_saves=not isinstance(e, PeerLost))
+            raise
+        return _summary(run, data_dir, records, tokens, flops, saves)
 
 
 class _Run:
     """One training run's parts: the compiled program, its data, its checkpoints, its state."""
 
-    def __init__(self, program: TrainProgram, ckpt: CheckpointOptions | None):
-        self.program, self.ckpt = program, ckpt
+    def __init__(self, program: TrainProgram, ckpt: CheckpointOptions | None, faults: FaultOptions,
+                 watch: PeerWatch | None):
+        self.program, self.ckpt, self.faults, self.watch = program, ckpt, faults, watch
         self.manager = self.loader = self.resumed = None
         self.meta: dict | None = None
+        self.stopped_by: str | None = None
         self._closed = False
         if ckpt is not None:
             self.manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
@@ -119,6 +142,8 @@ class _Run:
             if self.resumed is not None:  # a checkpoint of another run is refused before compiling
                 self.meta = self.manager.manifest(self.resumed)["meta"]
                 _check_same_run(self.meta, program, ckpt.directory)
+        self.ledger = goodput.Ledger(ckpt.directory if ckpt else None, faults.started or time.time(),
+                                     resume=bool(ckpt and ckpt.resume), write=jax.process_index() == 0)
 
     def setup(self, data_dir: str | None, skip_oversize: bool) -> None:
         program, meta = self.program, self.meta
@@ -132,11 +157,16 @@ class _Run:
         compiled.train_step  # noqa: B018 (compile before the clock starts)
         self.compile_s = time.perf_counter() - t0
         self.key = jax.random.key(program.settings.seed)
+        t0 = time.perf_counter()
         if self.resumed is None:
             self.state = compiled.init(jax.random.fold_in(self.key, 0))
         else:
             self.state, _ = compiled.restore_state(self.manager, self.resumed)
+            self.ledger.record(restore_s=time.perf_counter() - t0)
         self.start = int(self.state.step)
+        started = self.faults.started or time.time()
+        self.ledger.record(resumed_from=self.start, processes=jax.process_count(),
+                           setup_s=max(0.0, time.time() - started - (time.perf_counter() - t0) * bool(self.resumed)))
 
     def _batches(self, steps: int):
         program, compiled, start = self.program, self.compiled, self.start
@@ -146,39 +176,91 @@ class _Run:
         return prefetch(lambda i: _counted(program, compiled.local_part(data.batch(start + i))), steps - start)
 
     def loop(self, steps: int, progress: bool):
-        compiled, loader, manager = self.compiled, self.loader, self.manager
+        stop = StopSignal(jax.process_count() > 1)
+        try:
+            return self._steps(steps, progress, stop)
+        finally:
+            stop.close()
+            if self.watch is not None:
+                self.watch.disarm()
+
+    def _steps(self, steps: int, progress: bool, stop: StopSignal):
+        compiled, loader, manager, ledger, watch = self.compiled, self.loader, self.manager, self.ledger, self.watch
         batches = self._batches(steps)
         bar = ProgressBar(steps - self.start) if progress else None
         records, flops, tokens, saves = [], [], [], []
+        if watch:
+            watch.arm(self.start)
         for step in range(self.start, steps):
             t_wait = time.perf_counter()
             batch, n_tokens, n_flops = next(batches)
             t_step = time.perf_counter()
-            self.state, metrics = compiled.train_step(self.state, compiled.put_batch(batch), self.key)
-            metrics = {k: float(v) for k, v in metrics.items()}
+            if watch:
+                watch.entering()
+            try:
+                self.state, metrics = compiled.train_step(self.state, compiled.put_batch(batch), self.key)
+                metrics = {k: float(v) for k, v in metrics.items()}
+            except jax.errors.JaxRuntimeError as e:
+                if watch is None:
+                    raise
+                raise watch.lost(e) from None
             t_end = time.perf_counter()
+            if watch:
+                watch.progress(step + 1)
+            self._check_finite(step, metrics)
             records.append({"step": step, "loss": metrics["loss"], "step_time_s": t_end - t_step,
                             "data_wait_s": t_step - t_wait,
                             **{k: v for k, v in metrics.items() if k != "loss"}})
+            ledger.step(step, t_end - t_step, t_step - t_wait, metrics["loss"])
             flops.append(n_flops)
             tokens.append(n_tokens)
             if loader is not None:
                 loader.size_window(t_end - t_step)
-            if manager is not None and self.ckpt.due(step + 1, steps):
+            stopping = stop.reached(step + 1) and step + 1 < steps
+            if manager is not None and (self.ckpt.due(step + 1, steps) or stopping):
                 info = manager.save(step + 1, self.state, _run_meta(self.program, loader))
                 saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
+                ledger.record(save_s=info.blocking_s, t=round(time.time(), 3))
             if bar:
                 bar.update(step + 1 - self.start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
+            if stopping:
+                self.stopped_by = "SIGTERM"
+                break
         return records, tokens, flops, saves
 
-    def close(self, failed: bool = False) -> None:
+    def _check_finite(self, step: int, metrics: dict) -> None:
+        """Under TrainSettings.nonfinite='stop', end the run before a state that is not all
+        finite, or came with a non-finite loss, could be saved: what is committed stays good."""
+        if not metrics.get("nonfinite", 0.0):
+            return
+        if self.manager is not None:
+            self.manager.wait()  # the save in flight holds a good state: let it commit
+        last = self.manager.latest() if self.manager is not None else None
+        kept = (f"the newest checkpoint kept in {self.ckpt.directory}, step {last}, is all finite" if last is not None
+                else "no checkpoint was saved before it")
+        what = "the loss" if not math.isfinite(metrics["loss"]) else "the updated state"
+        raise RunFailed(f"step {step}: {what} is not finite (loss {metrics['loss']}); stopped before saving that "
+                        f"state ({kept}). Resume with a lower learning rate, or run with --on-nonfinite skip to skip "
+                        f"such steps")
+
+    def close(self, failed: bool = False, wait_saves: bool = True) -> None:
         """Stop the loader's reads and finish pending saves (so the last good checkpoint commits).
-        After a failure the manager's closing barrier is skipped: peers may be gone."""
+        After a failure the manager's closing barrier is skipped: peers may be gone; after a lost
+        peer (`wait_saves=False`) the save in flight is abandoned too: it cannot commit."""
         if self._closed:
             return
         self._closed = True
         if self.loader is not None:
             self.loader.close()
+        t0 = time.perf_counter()
+        try:
+            if wait_saves:
+                self._close_manager(failed)
+        finally:
+            self.ledger.record(save_s=time.perf_counter() - t0, t=round(time.time(), 3))
+            self.ledger.close()
+
+    def _close_manager(self, failed: bool) -> None:
         if self.manager is None:
             return
         if not failed:
@@ -213,7 +295,7 @@ def _summary(run: _Run, data_dir: str | None, records: list, tokens: list, flops
         "steps": records,
         "loss_first5_mean": statistics.fmean(head),
         "loss_last5_mean": statistics.fmean(tail),
-        # float16: steps whose update was skipped because a gradient overflowed (see xlaopt.step).
+        # Steps whose update was skipped: a float16 gradient overflow, or --on-nonfinite skip.
         "skipped_steps": int(sum(r.get("skipped", 0.0) for r in records)),
         "median_step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "tokens_per_s": sum(tokens[1:] or tokens) / busy,
@@ -228,6 +310,8 @@ def _summary(run: _Run, data_dir: str | None, records: list, tokens: list, flops
         "peak_source": peak.source,
         "checkpoint": ({"dir": ckpt.directory, "resumed_from": run.resumed, "saves": saves,
                         "committed": run.manager.steps()} if ckpt is not None else None),
+        "stopped_by": run.stopped_by,
+        "goodput": goodput.goodput(run.ledger.history(), time.time()),
     }
 
 
@@ -251,12 +335,22 @@ def format_summary(result: dict) -> str:
         + ",".join(f"{a}={s}" for a, s in result["mesh"].items() if s > 1) + f"  {result['compute_dtype']}",
         f"steps {len(result['steps'])}  loss {result['loss_first5_mean']:.3f} -> {result['loss_last5_mean']:.3f}"
         f" (mean of first / last 5)"
-        + (f"  {result['skipped_steps']} updates skipped on float16 overflow (last step's "
-           f"loss scale {result['steps'][-1]['loss_scale']:g})" if result["skipped_steps"] else ""),
+        + ((f"  {result['skipped_steps']} updates skipped on float16 overflow (last step's loss scale "
+            f"{result['steps'][-1]['loss_scale']:g})" if "loss_scale" in result["steps"][-1]
+            else f"  {result['skipped_steps']} updates skipped (not finite)") if result["skipped_steps"] else ""),
         f"median step {result['median_step_time_s']:.3f}s  tokens/s {result['tokens_per_s']:.0f}  "
         f"data wait {100 * result['data_wait_fraction']:.1f}%  compile {result['compile_s']:.1f}s"
         + (f"  skipped {result['data']['state']['skipped']} samples longer than a row"
            if result["data"].get("state", {}).get("skipped") else ""),
         f"model FLOPs/step {result['model_flops_per_step'] / 1e9:.1f} G  MFU {100 * result['mfu']:.1f}% "
         f"of {result['peak_source']}",
+        _format_goodput(result["goodput"]) + (f"  stopped by {result['stopped_by']} after step "
+                                              f"{result['steps'][-1]['step'] + 1}" if result["stopped_by"] else ""),
     ])
+
+
+def _format_goodput(g: dict) -> str:
+    causes = sorted(((v, k.removesuffix("_s")) for k, v in g["badput"].items() if v > 0), reverse=True)[:3]
+    return (f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall  (badput: "
+            + ", ".join(f"{name} {v:.1f}s" for v, name in causes) + ")"
+            + (f"  restarts {g['restarts']}, steps lost and redone {g['lost_steps']}" if g["restarts"] else ""))

@@ -1,0 +1,128 @@
+"""Goodput: how much of a job's wall time went into steps that count, and where the rest went.
+
+A job may run as several attempts: each restart (after a crash, a kill, a SIGTERM) resumes
+from the last committed checkpoint, and the steps an attempt had run past it are done again.
+Process 0 keeps the job's ledger in the checkpoint directory (`goodput.jsonl`, one JSON object
+a line, flushed as written, so a killed attempt leaves what it did): an attempt's start, each
+step's times, each save and restore. A fresh run (no `--resume`) starts a new ledger.
+
+Badput causes: start-up and compile (process start to the first step, restores excluded), data
+wait, checkpoint save (the time a save blocked the loop) and restore, progress lost to a failure
+(the step and data time of steps run again after a restart), and the gaps between attempts
+(from the last thing a failed attempt did to the next attempt's start). What is left of the
+wall time (progress bar, teardown) is `other`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+
+LEDGER = "goodput.jsonl"
+
+
+class Ledger:
+    def __init__(self, directory: str | None, started: float, resume: bool, write: bool):
+        self.path = pathlib.Path(directory) / LEDGER if directory is not None else None
+        self.events: list[dict] = []
+        self._file = None
+        self.writes = self.path is not None and write
+        if self.writes:
+            cut = resume and self.path.exists() and not self.path.read_bytes().endswith(b"\n")
+            self._file = open(self.path, "a" if resume else "w")
+            if cut and self.path.stat().st_size:
+                self._file.write("\n")  # end a line cut short by a killed attempt
+        self.record(attempt=started)
+
+    def record(self, **event) -> None:
+        self.events.append(event)
+        if self._file is not None:
+            self._file.write(json.dumps(event) + "\n")
+            self._file.flush()
+
+    def step(self, step: int, step_s: float, wait_s: float, loss: float) -> None:
+        self.record(step=step, dt=round(step_s, 6), wait=round(wait_s, 6), t=round(time.time(), 3), loss=loss)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def history(self) -> list[dict]:
+        """Every attempt's events when this process keeps the ledger, else this attempt's."""
+        if not self.writes:
+            return self.events
+        if self._file is not None:
+            self._file.flush()
+        return [event for line in self.path.read_text().splitlines() if (event := _parse(line)) is not None]
+
+
+def process_start_time() -> float:
+    """When this process started (time.time() scale): Python's start-up and JAX's import belong
+    to the start-up badput too. From /proc on Linux, else now."""
+    try:
+        ticks = int(pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in pathlib.Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def _parse(line: str) -> dict | None:
+    try:  # an attempt killed mid-write leaves its last line cut short
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def attempts(events: list[dict]) -> list[list[dict]]:
+    out: list[list[dict]] = []
+    for event in events:
+        if "attempt" in event:
+            out.append([])
+        if out:
+            out[-1].append(event)
+    return out
+
+
+def goodput(events: list[dict], ended: float) -> dict:
+    """The job's goodput and badput by cause, from its ledger; `ended` is the wall time now."""
+    runs = attempts(events)
+    productive = lost = data_wait = save = restore = setup = gaps = 0.0
+    lost_steps = 0
+    kept: list[float] = []
+    for k, run in enumerate(runs):
+        start = run[0]["attempt"]
+        steps = [e for e in run if "step" in e]
+        restarted_from = _resumed_from(runs[k + 1]) if k + 1 < len(runs) else None
+        for e in steps:
+            if restarted_from is not None and e["step"] >= restarted_from:
+                lost += e["dt"] + e["wait"]
+                lost_steps += 1
+            else:
+                productive += e["dt"]
+                data_wait += e["wait"]
+                kept.append(e["dt"])
+        save += sum(e["save_s"] for e in run if "save_s" in e)
+        restore += sum(e["restore_s"] for e in run if "restore_s" in e)
+        setup += sum(e["setup_s"] for e in run if "setup_s" in e)
+        if k + 1 < len(runs):
+            last = max([start] + [e["t"] for e in run if "t" in e])
+            gaps += max(0.0, runs[k + 1][0]["attempt"] - last)
+    wall = ended - runs[0][0]["attempt"]
+    badput = {"startup_compile_s": setup, "data_wait_s": data_wait, "checkpoint_save_s": save,
+              "checkpoint_restore_s": restore, "lost_progress_s": lost, "restart_gaps_s": gaps}
+    badput["other_s"] = max(0.0, wall - productive - sum(badput.values()))
+    timed = kept[1:] or kept  # the first step of a run warms up
+    median = statistics.median(timed) if timed else 0.0
+    return {"goodput": productive / wall if wall > 0 else 0.0, "wall_s": wall, "productive_s": productive,
+            "badput": badput, "lost_steps": lost_steps, "restarts": len(runs) - 1,
+            "step_time_median_s": median,
+            "step_time_cv": statistics.pstdev(timed) / statistics.fmean(timed) if len(timed) > 1 else 0.0}
+
+
+def _resumed_from(run: list[dict]) -> int:
+    return next((e["resumed_from"] for e in run if "resumed_from" in e), 0)
