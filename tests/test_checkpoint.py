@@ -98,12 +98,15 @@ def test_save_then_donated_update_commits_the_values_from_before_the_update(tmp_
     tree["host"] += 1  # a host leaf, changed in place
     manager.wait()
     saved_s = time.perf_counter() - t0
-    # The update ran in place on the very buffers the save copies from: a copy not ordered
-    # before it would have read updated values.
-    assert all(x.is_deleted() for x in jax.tree.leaves(donated))
-    assert [x.addressable_shards[0].data.unsafe_buffer_pointer() for x in jax.tree.leaves(arrays)] == pointers
     restored, _, _ = manager.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), expected))
     _assert_equal(expected, restored)
+    # The update ran in place on buffers the save copies from, so a copy not ordered before it
+    # would have read updated values. XLA may still hand a donated leaf fresh memory (seen once
+    # in a full suite run, for one of the eight); a leaf reused in place is what makes the
+    # restore check above bite (a save that skips its copy fails it).
+    assert all(x.is_deleted() for x in jax.tree.leaves(donated))
+    now = [x.addressable_shards[0].data.unsafe_buffer_pointer() for x in jax.tree.leaves(arrays)]
+    assert any(a == b for a, b in zip(now, pointers)), "no donated buffer was reused: the test shows nothing"
     np.testing.assert_array_equal(np.asarray(arrays["r"]), expected["r"] * 2)
     assert info.bytes == sum(x.nbytes for x in jax.tree.leaves(expected))  # the replicated leaf once
     assert 0 < info.blocking_s < saved_s
