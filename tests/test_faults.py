@@ -83,6 +83,18 @@ def _kill(procs) -> None:
             p.communicate()
 
 
+def _fault_process_1(args, ckpt, step: int, signum) -> str:
+    """Run a two-process job, signal process 1 once `step` is done; the survivor's error line."""
+    procs = _job(args)
+    _wait_for_step(ckpt, step, procs)
+    procs[1].send_signal(signum)
+    t_fault = time.monotonic()
+    try:
+        return _survivor_stops(procs[0], t_fault)
+    finally:
+        _kill(procs)
+
+
 @pytest.mark.slow  # six two-process jobs
 def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     ref, job = tmp_path / "ref", tmp_path / "job"
@@ -90,25 +102,11 @@ def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     reference = _xlaopt("train", *common, "--ckpt", ref, "--processes", 2, "--json", tmp_path / "ref.json")
 
     # SIGKILL: gloo sees the connection close; the survivor names the silent peer.
-    procs = _job([*common, "--ckpt", job])
-    _wait_for_step(job, 14, procs)
-    procs[1].send_signal(signal.SIGKILL)
-    t_fault = time.monotonic()
-    try:
-        line = _survivor_stops(procs[0], t_fault)
-    finally:
-        _kill(procs)
+    line = _fault_process_1([*common, "--ckpt", job], job, 14, signal.SIGKILL)
     assert "process 1" in line and "dead or stopped" in line and "--resume" in line
 
     # SIGSTOP: nothing fails, the survivor just waits in the collective; the watchdog stops it.
-    procs = _job([*common, "--ckpt", job, "--resume"])
-    _wait_for_step(job, 25, procs)
-    procs[1].send_signal(signal.SIGSTOP)
-    t_fault = time.monotonic()
-    try:
-        line = _survivor_stops(procs[0], t_fault)
-    finally:
-        _kill(procs)
+    line = _fault_process_1([*common, "--ckpt", job, "--resume"], job, 25, signal.SIGSTOP)
     assert f"no step finished for {PEER_TIMEOUT_S} s" in line and "process 1" in line and "SIGSTOP" in line
 
     # SIGTERM to one process: the job agrees on a step, saves it once and exits 0.
