@@ -1,6 +1,5 @@
 """Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
 import os
-import socket
 import tempfile
 
 # Default sample stores made on first use go to a per-session directory, not the user's cache.
@@ -19,6 +18,7 @@ jax.devices()  # start the backend now so no later call can change the device co
 from xlaopt.data.batch import BatchShape  # noqa: E402
 from xlaopt.data.synthetic_cosmos import SyntheticCosmos  # noqa: E402
 from xlaopt.models.registry import get_config  # noqa: E402
+from xlaopt.runtime import distributed  # noqa: E402
 
 # Small enough to compile in seconds; the layout and every size still divide 8.
 SMALL = dict(num_layers=2)
@@ -45,9 +45,7 @@ def needs_devices(n: int):
 
 def free_port() -> int:
     """A free local TCP port, for a `jax.distributed` coordinator."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return distributed.free_port()
 
 
 def finish(procs, timeout_s: float, expect: str = "") -> None:
