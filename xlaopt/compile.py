@@ -14,6 +14,7 @@ registers its HLO transforms for exactly that compile. Two facts of jax 0.10.2 s
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xlaopt import loss_scale
+from xlaopt import compile_cache, loss_scale
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
@@ -154,7 +155,8 @@ class CompiledProgram:
             marker = ",".join(f"xlaopt-hlo-transform-{t.fingerprint()[:16]}" for t in program.hlo_transforms)
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (str(options.get("xla_disable_hlo_passes", "")),
                                                                         marker)))
-        with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform):
+        with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform), \
+                compile_cache.reading_entries(f"{program.model.name}'s step"):
             try:
                 return lowered.compile(options)
             except Exception as e:  # XLA's own words on an option it does not know or cannot parse
@@ -172,8 +174,24 @@ def check_batch_rows(program: TrainProgram, batch: dict) -> None:
         check_rows({k: batch[k] for k in family.segment_keys}, execution.attention_max_segments)
 
 
+# Programs compiled in this process, newest last: a program hashes by value, so the CLI, the API, a
+# planner and the tests asking for an equal program on the same devices share one set of compiled
+# executables instead of tracing and compiling new closures each time.
+_COMPILED: collections.OrderedDict[tuple, CompiledProgram] = collections.OrderedDict()
+COMPILED_KEPT = 32
+
+
 def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:
-    return CompiledProgram(program, mesh)
+    """The program's `CompiledProgram` on `mesh` (default: `make_mesh(program.mesh)` over this
+    process's devices), shared with every earlier call for an equal program and mesh."""
+    key = (program, mesh if mesh is not None else tuple(d.id for d in jax.devices()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = CompiledProgram(program, mesh)
+        while len(_COMPILED) > COMPILED_KEPT:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(key)
+    return compiled
 
 
 @contextlib.contextmanager

@@ -40,19 +40,19 @@ def check_fits(program: TrainProgram, topology: Topology) -> None:
 
 def _compiled(program: TrainProgram, topology: Topology, target: str):
     """(CompiledProgram, lower seconds, compile seconds)."""
-    from xlaopt.compile import CompiledProgram
+    from xlaopt.compile import compile_program
 
     if target == "gpu":
         from xlaopt.analysis.gpu_aot import gpu_mesh
 
-        compiled = CompiledProgram(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES,
-                                                          program.mesh.placement()))
+        compiled = compile_program(program, gpu_mesh(topology, program.mesh.sizes, MESH_AXES,
+                                                     program.mesh.placement()))
     else:
         if program.mesh.num_devices > MAX_SIMULATED_DEVICES:
             raise UserError(f"--target cpu compiles on one simulated CPU device per mesh device, at most "
                             f"{MAX_SIMULATED_DEVICES}; mesh {program.mesh} has {program.mesh.num_devices}. "
                             f"Use --target gpu (needs xlaopt[gpu-aot]) for larger meshes")
-        compiled = CompiledProgram(program)
+        compiled = compile_program(program)
     t0 = time.perf_counter()
     compiled.lowered  # noqa: B018 (cached: lowering timed apart from compilation)
     t1 = time.perf_counter()

@@ -181,7 +181,7 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
 
     from xlaopt.analysis.analyze import check_fits
     from xlaopt.analysis.schedule import HloReader, build_schedule
-    from xlaopt.compile import CompiledProgram
+    from xlaopt.compile import compile_program
     from xlaopt.data.batch import BatchShape
     from xlaopt.pipeline import pipeline, run_pipeline
     from xlaopt.program import TrainProgram, TrainSettings
@@ -205,7 +205,7 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
         check_fits(program, priced.topology)
         t0 = time.perf_counter()
         program, _ = run_pipeline(program, pipeline())
-        compiled = CompiledProgram(program)
+        compiled = compile_program(program)
         compiled.lowered  # noqa: B018 (timed apart from compilation)
         t1 = time.perf_counter()
         text = compiled.train_step.as_text()

@@ -336,3 +336,22 @@ def bytes_by(colls: Sequence[Collective], key) -> dict:
     for c in colls:
         out[key(c)] = out.get(key(c), 0) + c.total_bytes
     return out
+
+
+_LOCATION_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_STACK_FRAME = re.compile(r"\s*stack_frame_id=\d+")
+
+
+def without_source_locations(hlo_text: str) -> str:
+    """The module's text without its source-location tables and the instructions' references to
+    them: the tables' order follows Python's hash seed, so two processes compiling one program
+    print them differently while every instruction is the same."""
+    kept, skipping = [], False
+    for line in hlo_text.splitlines():
+        if line in _LOCATION_TABLES:
+            skipping = True
+        elif skipping and not line.strip():
+            skipping = False
+        elif not skipping:
+            kept.append(_STACK_FRAME.sub("", line))
+    return "\n".join(kept)

@@ -62,8 +62,8 @@ def import_to_checkpoint(directory, out, mesh_spec=None, name: str = "cosmos3-di
     created = not out.exists()
     try:
         shardings, program = param_shardings(config, mesh_spec, settings)
-        from xlaopt.compile import CompiledProgram
-        compiled = CompiledProgram(program)
+        from xlaopt.compile import compile_program
+        compiled = compile_program(program)
         _, _, params = import_params(directory, shardings, name)
         state = initial_state(program, params, compiled.state_shardings)
         manager = CheckpointManager(out)
@@ -80,7 +80,7 @@ def import_to_checkpoint(directory, out, mesh_spec=None, name: str = "cosmos3-di
 
 def export_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "float32") -> list[str]:
     """A checkpoint written by `import_to_checkpoint` (and trained on) -> a diffusers directory."""
-    from xlaopt.compile import CompiledProgram
+    from xlaopt.compile import compile_program
     from xlaopt.models.cosmos3_config import Cosmos3Config
     from xlaopt.program import TrainProgram
 
@@ -94,6 +94,6 @@ def export_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "floa
     cfg["mrope_sections"] = tuple(cfg["mrope_sections"])
     config = Cosmos3Config(**cfg)
     settings = ReferenceSettings.from_json(meta[SOURCE_KEY]["reference"])
-    compiled = CompiledProgram(TrainProgram(config))
+    compiled = compile_program(TrainProgram(config))
     state, _ = compiled.restore_state(manager, step)
     return export_diffusers(state.params, config, settings, out_dir, dtype)

@@ -361,14 +361,14 @@ def _reader(e: Entry, files: SafetensorsDir, config: Cosmos3Config):
 def param_shardings(config: Cosmos3Config, mesh_spec=None, settings=None):
     """(our parameters' NamedShardings, the program) on `mesh_spec` after the pass pipeline
     (mesh layout), for training `settings` (default: `TrainSettings()`)."""
-    from xlaopt.compile import CompiledProgram
+    from xlaopt.compile import compile_program
     from xlaopt.mesh import MeshSpec
     from xlaopt.pipeline import pipeline, run_pipeline
     from xlaopt.program import TrainProgram, TrainSettings
 
     program = TrainProgram(config, mesh_spec or MeshSpec(), settings=settings or TrainSettings())
     program, _ = run_pipeline(program, pipeline())
-    return CompiledProgram(program).state_shardings.params, program
+    return compile_program(program).state_shardings.params, program
 
 
 def import_params(directory, shardings=None, name: str = "cosmos3-diffusers"):

@@ -1,0 +1,91 @@
+"""Compile once: equal programs share compiled executables in a process, JAX's persistent cache
+carries them to the next process, and a damaged cache entry costs a compile, never a crash."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+from xlaopt import compile_cache
+from xlaopt.analysis import hlo
+from xlaopt.compile import compile_program
+from xlaopt.errors import UserError
+from xlaopt.mesh import MeshSpec, mesh_over
+from xlaopt.models.registry import get_config
+from xlaopt.program import TrainProgram
+
+
+def test_equal_programs_built_apart_share_one_compiled_program():
+    one = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=2"))
+    again = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=2"))
+    assert one is not again and compile_program(one) is compile_program(again)
+    assert compile_program(one) is not compile_program(one.replace(settings=one.settings.__class__(seed=1)))
+    # Another mesh over other devices is another compile, even for an equal program.
+    mesh = mesh_over(one.mesh, jax.devices()[4:6])
+    assert compile_program(one, mesh) is not compile_program(one)
+    assert compile_program(one, mesh) is compile_program(again, mesh)
+
+
+def test_an_unwritable_directory_is_refused_before_any_work(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    with pytest.raises(UserError, match=r"--compile-cache .*file/jax: cannot write there .*--compile-cache off"):
+        compile_cache.check(str(blocked / "jax"))
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(UserError, match="cannot write there"):
+            compile_cache.check(str(locked))
+    assert compile_cache.check("off") is None
+    assert compile_cache.check(str(tmp_path / "new" / "dir")) == tmp_path / "new" / "dir"
+
+
+# Each run in its own process: what a restarted job sees of the last one's cache.
+_COMPILE = textwrap.dedent("""
+    import sys, jax
+    jax.config.update("jax_platforms", "cpu")
+    from xlaopt import compile_cache
+    from xlaopt.compile import compile_program
+    from xlaopt.models.registry import get_config
+    from xlaopt.program import TrainProgram
+
+    compile_cache.configure(sys.argv[1])
+    print(compile_program(TrainProgram(get_config("llama-tiny", {"num_layers": 1}))).grads.as_text())
+""")
+
+
+def _compile_in_a_process(cache: pathlib.Path) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(cache)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def same_program(a: str, b: str) -> bool:
+    return hlo.without_source_locations(a) == hlo.without_source_locations(b)
+
+
+def _entries(cache: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in cache.glob("*-cache")}
+
+
+@pytest.mark.slow
+def test_a_damaged_entry_is_recompiled_with_one_warning_and_replaced(tmp_path):
+    cache = tmp_path / "cache"
+    first = _compile_in_a_process(cache)
+    written = _entries(cache)
+    assert written, "the persistent cache was not written"
+    for name, data in written.items():  # a write cut short, as by a crash
+        (cache / name).write_bytes(data[: len(data) // 2])
+    damaged = _compile_in_a_process(cache)
+    warned = [line for line in damaged.stderr.splitlines() if "compile cache" in line]
+    assert len(warned) == 1 and "could not be read" in warned[0] and "compiling afresh" in warned[0], damaged.stderr
+    assert "Error reading persistent compilation cache entry" not in damaged.stderr  # JAX's words, ours instead
+    assert same_program(damaged.stdout, first.stdout)  # the same program, compiled afresh
+    replaced = _entries(cache)  # whole entries in the damaged ones' place (their bytes hold the compile time)
+    assert replaced.keys() == written.keys() and all(len(replaced[k]) > len(v) // 2 for k, v in written.items())
+    again = _compile_in_a_process(cache)
+    assert "compile cache" not in again.stderr and same_program(again.stdout, first.stdout)

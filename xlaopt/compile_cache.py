@@ -1,0 +1,134 @@
+"""JAX's persistent compilation cache, on by default for every command that compiles.
+
+A restart after a fault, or a second `xlaopt train`, then loads the step's executable from disk
+instead of compiling it again. The directory is `$XLAOPT_CACHE/jax-compile` (default
+`~/.cache/xlaopt/jax-compile`), or the one `--compile-cache DIR` names; `--compile-cache off` turns
+it off. Safe with HLO transforms: JAX's cache key covers the compile options, which carry each
+transform's fingerprint (`xlaopt.compile`; tests/test_compile_cache.py).
+
+What jax 0.10.2 does with a damaged entry (checked in tests/test_compile_cache.py): it warns
+"Error reading persistent compilation cache entry ..." and compiles afresh, but never replaces the
+entry (`LRUCache.put` skips a key that exists), so every later run would pay the compile and the
+warning again. `reading_entries` watches a compile: it notes the keys JAX read (its lru_cache
+logger names each hit at debug level), turns JAX's warning into one line of ours, and deletes the
+damaged entry so that this compile's executable is written in its place.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import sys
+import uuid
+import warnings
+
+from xlaopt.errors import UserError
+
+OFF = "off"
+# Compiles shorter than this are not written: jit's small helper programs would fill the directory
+# with entries that take about as long to load as to compile.
+MIN_COMPILE_TIME_S = 0.2
+_READ_ERROR = "Error reading persistent compilation cache entry"
+_CACHE_LOGGER = "jax._src.lru_cache"
+_HIT = "Cache hit for key: "
+_ENTRY_SUFFIX = "-cache"  # jax._src.lru_cache._CACHE_SUFFIX on 0.10.2
+
+_directory: pathlib.Path | None = None
+
+
+def default_directory() -> pathlib.Path:
+    root = os.environ.get("XLAOPT_CACHE") or pathlib.Path.home() / ".cache" / "xlaopt"
+    return pathlib.Path(root) / "jax-compile"
+
+
+def check(setting: str | None) -> pathlib.Path | None:
+    """The directory `setting` (a path, `off`, or None for the default) names, made and probed for
+    writing; None when off. A directory that cannot be written is a UserError, before any work."""
+    if setting == OFF:
+        return None
+    directory = pathlib.Path(setting).expanduser() if setting else default_directory()
+    probe = directory / f".probe-{uuid.uuid4().hex}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"--compile-cache {directory}: cannot write there ({e.strerror or e}); give a writable "
+                        f"directory, or --compile-cache off") from None
+    return directory
+
+
+def configure(setting: str | None = None) -> pathlib.Path | None:
+    """Point JAX's persistent cache at `setting`'s directory (see `check`), or turn it off.
+    Takes effect for the compiles after it, also when an earlier one ran without the cache."""
+    global _directory
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    directory = check(setting)
+    if directory == _directory and (directory is None) == (jax.config.jax_compilation_cache_dir is None):
+        return directory
+    jax.config.update("jax_compilation_cache_dir", None if directory is None else str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
+    # JAX decides once a process whether the cache is used, at its first compile: start again.
+    compilation_cache.reset_cache()
+    _directory = directory
+    return directory
+
+
+def directory() -> pathlib.Path | None:
+    """The directory `configure` set, None when off or never configured."""
+    return _directory
+
+
+class _Hits(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.keys: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(_HIT):
+            self.keys.append(message[len(_HIT):].strip("'\""))
+
+
+@contextlib.contextmanager
+def reading_entries(what: str):
+    """Around one compile: a damaged cache entry becomes one warning line and is removed before
+    the compile's executable is written, so it takes the entry's place (see the module docstring).
+    `what` names the compile in that line."""
+    logger = logging.getLogger(_CACHE_LOGGER)
+    hits, level, propagate = _Hits(), logger.level, logger.propagate
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if not text.startswith(_READ_ERROR):
+            return shown(message, category, filename, lineno, file, line)
+        removed = _remove_entry(hits.keys[-1]) if hits.keys else None
+        reason = (text.partition("': ")[2] or text).splitlines()[0][:160]
+        print(f"xlaopt: warning: the compile cache's entry for {what} could not be read ({reason}); compiling "
+              f"afresh{f', in place of {removed.name}' if removed else ''}", file=sys.stderr)
+
+    logger.addHandler(hits)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # the debug lines are ours to read, not to print
+    try:
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+            warnings.showwarning = show  # called as JAX warns, before it compiles and writes the entry
+            yield
+    finally:
+        logger.removeHandler(hits)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _remove_entry(key: str) -> pathlib.Path | None:
+    if _directory is None:
+        return None
+    path = _directory / f"{key}{_ENTRY_SUFFIX}"
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+        return path
+    return None
