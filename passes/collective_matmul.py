@@ -15,8 +15,9 @@ the sequence gathered back) than it hides: 2.15 s (BENCHMARKS.md, "Collective ma
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import OffUnlessEnabled, PassContext, PassResult
 from xlaopt.program import TrainProgram
 from xlaopt.transforms.ring_matmul import RingMatmul
 
@@ -24,17 +25,14 @@ AXIS = "tensor"
 
 
 @dataclasses.dataclass(frozen=True)
-class CollectiveMatmul:
-    name: str = "collective-matmul"
-    summary: str = ("tensor parallel's output and MLP down projections as ppermute rings interleaved with partial "
-                    "matmuls (bidirectional), so the reduction overlaps the matmul")
+class CollectiveMatmul(OffUnlessEnabled):
+    name: ClassVar[str] = "collective-matmul"
+    summary: ClassVar[str] = ("tensor parallel's output and MLP down projections as ppermute rings interleaved with "
+                              "partial matmuls (bidirectional), so the reduction overlaps the matmul")
+    off_because: ClassVar[str] = "on the priced GPU schedule it does not pay yet (see the pass's docstring)"
     bidirectional: bool = True
-    enabled: bool = False
 
     def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
-        if not self.enabled:
-            return ("off unless enabled (--pass-option collective-matmul.enabled=true): on the priced GPU schedule "
-                    "it does not pay yet (see the pass's docstring)")
         if program.shardings is None:
             return "needs a layout (run mesh-layout first)"
         if program.mesh.size(AXIS) == 1:
@@ -50,6 +48,5 @@ class CollectiveMatmul:
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         transform = RingMatmul(AXIS, program.mesh.size(AXIS), self.bidirectional)
-        kept = tuple(t for t in program.grad_transforms if not isinstance(t, RingMatmul))
-        new = program.replace(grad_transforms=kept + (transform,))
+        new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {"ring": program.mesh.size(AXIS), "bidirectional": self.bidirectional})

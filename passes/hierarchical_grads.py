@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
 from xlaopt.program import TrainProgram
@@ -77,10 +78,10 @@ def node_groups(program: TrainProgram, devices_per_node: int) -> tuple[tuple[int
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchicalGrads:
-    name: str = "hierarchical-grads"
-    summary: str = ("reduce data-parallel gradients in two levels: reduce-scatter in the node, all-reduce the "
-                    "shards across nodes, all-gather in the node; each layer's inside the backward loop")
+class HierarchicalGrads(Pass):
+    name: ClassVar[str] = "hierarchical-grads"
+    summary: ClassVar[str] = ("reduce data-parallel gradients in two levels: reduce-scatter in the node, all-reduce "
+                              "the shards across nodes, all-gather in the node; each layer's inside the backward loop")
     gpu: bool = False  # apply on the GPU target too (NCCL does this itself; priced slower, see above)
 
     def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
@@ -142,8 +143,7 @@ class HierarchicalGrads:
         rows.update({n: list(a).index("batch") for n, a in family.draw_axes})
         transform = HierarchicalGradReduce(AXIS, groups, tuple(sorted(rows.items())), tuple(scatter), tuple(in_loop),
                                            tuple(a for a in batch_axes(program) if a != AXIS))
-        kept = tuple(t for t in program.grad_transforms if not isinstance(t, HierarchicalGradReduce))
-        new = program.replace(grad_transforms=kept + (transform,))
+        new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {
             "nodes": len(groups), "data_ranks_per_node": per_node,
             "gradient_bytes_per_device": total, "network_bytes_flat": total, "network_bytes": crossing,

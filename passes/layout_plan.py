@@ -8,25 +8,25 @@ precision with the best candidate's; the report is the whole ranking (`xlaopt pl
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import OffUnlessEnabled, PassContext, PassResult
 from xlaopt.errors import UserError
 from xlaopt.program import TrainProgram
 
 
 @dataclasses.dataclass(frozen=True)
-class LayoutPlan:
-    name: str = "layout-plan"
-    summary: str = "choose mesh, device order, remat, micro-batches and precision for the topology (off unless enabled)"
-    enabled: bool = False
+class LayoutPlan(OffUnlessEnabled):
+    name: ClassVar[str] = "layout-plan"
+    summary: ClassVar[str] = ("choose mesh, device order, remat, micro-batches and precision for the topology (off "
+                              "unless enabled)")
+    off_because: ClassVar[str] = "the other commands run the layout they are given (`xlaopt plan` enables it)"
     top: int = 2  # candidates compiled and priced from their schedule after the analytic ranking
     exhaustive: bool = False  # compile every candidate that fits
     mix: str = ""  # price rows packed from this sample mix (Cosmos 3); default: the synthetic stream
     data: str = ""  # or from this sample store
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
-        if not self.enabled:
-            return PassResult(program, False, {"enabled": False})
         if ctx.topology is None:
             raise UserError("layout-plan needs a topology to plan for, e.g. --topology h100:16x8")
         from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch

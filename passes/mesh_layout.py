@@ -7,13 +7,14 @@ sharded dimension divides, and turns on activation constraints from the same tab
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
 from xlaopt.step import batch_spec, make_optimizer
@@ -21,9 +22,10 @@ from xlaopt.transforms.hierarchical_reduce import path_name
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshLayout:
-    name: str = "mesh-layout"
-    summary: str = "apply the logical-axis rule table to the mesh: shard params, optimizer state, batch, activations"
+class MeshLayout(Pass):
+    name: ClassVar[str] = "mesh-layout"
+    summary: ClassVar[str] = ("apply the logical-axis rule table to the mesh: shard params, optimizer state, batch, "
+                              "activations")
     # Constrain activations by the same table while the model is traced (else XLA propagates).
     constrain_activations: bool = True
 
@@ -42,8 +44,10 @@ class MeshLayout:
                                           is_leaf=lambda x: isinstance(x, PartitionSpec))
         batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)
                        for name, (shape, _, axes) in batch_spec(program).items()}
-        for shape, axes in ctx.cache.activation_axes(program):
-            logical_to_spec(axes, shape, program.rules, program.mesh, f"activation {axes}", use)
+        # Checked as compiling constrains them: inside a rewrite's shard_map (hierarchical-grads' over
+        # data) an activation is one device's part along the manual axes.
+        for shape, axes, manual in ctx.cache.activation_axes(program):
+            logical_to_spec(axes, shape, program.rules, program.mesh.inside_manual(manual), f"activation {axes}", use)
         scale_specs = jax.tree.map(lambda _: PartitionSpec(), state.loss_scale)  # scalars, replicated
         model_state_specs = jax.tree.map(lambda _: PartitionSpec(), state.model_state)  # per-channel vectors
         shardings = ProgramShardings.of(TrainState(PartitionSpec(), param_specs, opt_specs, scale_specs,

@@ -35,8 +35,9 @@ default does not take the risk (BENCHMARKS.md, "Overlap on XLA's GPU schedule").
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import TrainProgram
 
 _SCHEDULING = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_enable_highest_priority_async_stream")
@@ -54,10 +55,10 @@ def combine_threshold_bytes(topology) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class OverlapFlags:
-    name: str = "overlap-flags"
-    summary: str = ("XLA GPU overlap flags, MaxText's way: latency-hiding scheduler, pipelined collectives, "
-                    "loop double buffering, combine thresholds sized from the topology (gpu target)")
+class OverlapFlags(Pass):
+    name: ClassVar[str] = "overlap-flags"
+    summary: ClassVar[str] = ("XLA GPU overlap flags, MaxText's way: latency-hiding scheduler, pipelined collectives, "
+                              "loop double buffering, combine thresholds sized from the topology (gpu target)")
     pipelined_collectives: bool = True
     double_buffering: bool = False  # see the module docstring
     combine_threshold_bytes: int = 0  # 0: sized from the topology (XLA's default without one)

@@ -11,8 +11,9 @@ Fits where each tensor rank's key-value heads split into context x chunks groups
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import TrainProgram
 from xlaopt.transforms.ulysses import UlyssesAttention
 
@@ -24,10 +25,10 @@ def _seq_split(program: TrainProgram) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ulysses:
-    name: str = "ulysses-attention"
-    summary: str = ("context parallel attention by all-to-all: whole rows, a share of the heads, in head groups "
-                    "that overlap each other's all-to-alls")
+class Ulysses(Pass):
+    name: ClassVar[str] = "ulysses-attention"
+    summary: ClassVar[str] = ("context parallel attention by all-to-all: whole rows, a share of the heads, in head "
+                              "groups that overlap each other's all-to-alls")
     chunks: int = 2  # head groups; falls to 1 where the heads do not split into 2 groups
 
     def _kv_heads_per_rank(self, program: TrainProgram) -> int:
@@ -51,6 +52,5 @@ class Ulysses:
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         chunks = self._chunks(program)
         transform = UlyssesAttention(AXIS, chunks)
-        kept = tuple(t for t in program.grad_transforms if not isinstance(t, UlyssesAttention))
-        new = program.replace(grad_transforms=kept + (transform,))
+        new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {"context": program.mesh.size(AXIS), "chunks": chunks})

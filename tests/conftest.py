@@ -67,3 +67,38 @@ def finish(procs, timeout_s: float, expect: str = "") -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# One device's first-step (loss, gradients) per single-device reference program, computed once a run:
+# the pass tests of several files compare against the same references.
+_REFERENCE_GRADS: dict = {}
+
+
+def reference_grads(program):
+    """The first-step loss and gradients of `program`'s single-device reference (verify's)."""
+    from xlaopt.pipeline import pipeline, run_pipeline
+    from xlaopt.runtime.verify import one_step_grads, reference_program
+
+    single, _ = run_pipeline(reference_program(program), pipeline())
+    if single not in _REFERENCE_GRADS:
+        _REFERENCE_GRADS[single] = one_step_grads(single)
+    return _REFERENCE_GRADS[single]
+
+
+def check_pass(program, topology=None, options=None, *, reference: bool = True, dtype: str = "float32"):
+    """The pass contract, for every pass test: the pipeline (`options` for its passes) on `program`
+    for `topology`, whose checks make each `changed` honest; run again on its result it changes
+    nothing and returns an equal program; and (unless `reference=False`) one sharded step's loss and
+    gradients equal the single-device reference's. Returns (laid-out program, {name: record})."""
+    from xlaopt.context import PassContext
+    from xlaopt.pipeline import pipeline, run_pipeline
+    from xlaopt.runtime.verify import compare, one_step_grads
+
+    laid, records = run_pipeline(program, pipeline(options), ctx=PassContext.for_program(program, topology))
+    again, second = run_pipeline(laid, pipeline(options), ctx=PassContext.for_program(laid, topology))
+    assert [r.name for r in second if r.changed] == [], [(r.name, r.report) for r in second if r.changed]
+    assert again == laid
+    if reference:
+        result = compare(one_step_grads(laid), reference_grads(program), dtype)
+        assert result["ok"], result
+    return laid, {r.name: r for r in records}

@@ -1,6 +1,7 @@
 """The pass pipeline's contract: honest `changed`, idempotence, disabling by name, dumps,
 and room for traced-function and compiled-HLO passes."""
 import dataclasses
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.compile import compile_program
-from xlaopt.context import PassContext, PassResult
+from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
@@ -36,7 +37,7 @@ def test_passes_have_kebab_names_and_summaries():
 def test_mesh_layout_changes_once_then_nothing(program):
     once, records = run_pipeline(program, pipeline())
     by_name = {r.name: r for r in records}
-    assert not by_name["layout-plan"].changed and by_name["layout-plan"].report == {"enabled": False}  # off by default
+    assert not by_name["layout-plan"].changed and "off unless enabled" in by_name["layout-plan"].report["skipped"]
     assert by_name["mesh-layout"].changed and once.shardings is not None and program.shardings is None  # input untouched
     twice, records2 = run_pipeline(once, pipeline())
     assert [r.changed for r in records2] == [False] * len(pipeline()) and twice == once
@@ -75,9 +76,9 @@ def test_layout_plan_when_enabled_replaces_the_mesh_with_its_best_candidate(prog
 
 def test_a_pass_reads_the_topology_and_target_from_its_context(program):
     @dataclasses.dataclass(frozen=True)
-    class NodeSized:
-        name: str = "node-sized"
-        summary: str = "sets the number of micro-batches from the GPUs per node (a toy rule)"
+    class NodeSized(Pass):
+        name: ClassVar[str] = "node-sized"
+        summary: ClassVar[str] = "sets the number of micro-batches from the GPUs per node (a toy rule)"
 
         def run(self, p, ctx):
             assert ctx.target == "gpu"
@@ -127,9 +128,9 @@ def test_an_unknown_compiler_option_is_named_by_xla():
 
 def test_changed_must_be_honest(program):
     @dataclasses.dataclass(frozen=True)
-    class Liar:
-        name: str = "liar"
-        summary: str = "claims a change it did not make"
+    class Liar(Pass):
+        name: ClassVar[str] = "liar"
+        summary: ClassVar[str] = "claims a change it did not make"
 
         def run(self, p, ctx):
             return PassResult(p, True, {})
@@ -140,9 +141,9 @@ def test_changed_must_be_honest(program):
 
 def test_failing_pass_is_named_with_what_ran_before(program):
     @dataclasses.dataclass(frozen=True)
-    class Broken:
-        name: str = "broken"
-        summary: str = "raises"
+    class Broken(Pass):
+        name: ClassVar[str] = "broken"
+        summary: ClassVar[str] = "raises"
 
         def run(self, p, ctx):
             raise KeyError("boom")
@@ -170,10 +171,14 @@ def test_dump_appears_where_asked(program, tmp_path):
     small = program.replace(execution=ExecutionConfig(compute_dtype="float32"))
     _, records = run_pipeline(small, pipeline(), dump_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["00-input.compiled.hlo", "00-input.lowered.mlir",
-                     "02-mesh-layout.compiled.hlo", "02-mesh-layout.lowered.mlir"]  # layout-plan: off, no change
+    assert files == ["00-input.compiled.hlo", "00-input.diff", "00-input.lowered.mlir", "02-mesh-layout.compiled.hlo",
+                     "02-mesh-layout.diff", "02-mesh-layout.lowered.mlir"]  # layout-plan: off, no change
     assert records[0].dumped == ()
-    assert records[1].dumped == (str(tmp_path / "02-mesh-layout.lowered.mlir"), str(tmp_path / "02-mesh-layout.compiled.hlo"))
+    assert records[1].dumped == tuple(str(tmp_path / f"02-mesh-layout.{kind}") for kind in ("diff", "lowered.mlir",
+                                                                                             "compiled.hlo"))
+    # Beside the HLO, what the pass changed in the program: the layout, from none.
+    diff = (tmp_path / "02-mesh-layout.diff").read_text().splitlines()
+    assert len(diff) == 1 and diff[0].startswith("shardings: none -> ") and "sharded" in diff[0], diff
     before = (tmp_path / "00-input.compiled.hlo").read_text()
     after = (tmp_path / "02-mesh-layout.compiled.hlo").read_text()
     assert before.startswith("HloModule") and after.startswith("HloModule")

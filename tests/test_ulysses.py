@@ -15,9 +15,8 @@ from xlaopt.mesh import MeshSpec
 from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram, TrainSettings
-from xlaopt.runtime.verify import compare, one_step_grads, reference_program
 
-from conftest import needs_devices
+from conftest import check_pass, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
 LLAMA = get_config("llama-tiny")
@@ -44,11 +43,9 @@ def test_gradients_equal_one_device(case):
     config, mesh, batch, execution, topology, applied = CASES[case]
     settings = TrainSettings(batch=batch) if batch else TrainSettings()
     program = TrainProgram(config, MeshSpec.parse(mesh), settings=settings, execution=execution)
-    laid, records = _laid_out(program, topology)
+    # Equal to one device, and a second run (every applicable pass applying again) changes nothing.
+    laid, records = check_pass(program, topology)
     assert {name for name, r in records.items() if r.changed} >= applied | {"mesh-layout"}, records
-    single, _ = run_pipeline(reference_program(program), pipeline())
-    result = compare(one_step_grads(laid), one_step_grads(single), "float32")
-    assert result["ok"], result
 
 
 @needs_devices(8)

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlaopt import compile_cache, loss_scale
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
-from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
+from xlaopt.mesh import make_mesh
 from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, manual_axes, rows_split_over
 from xlaopt.program import TrainProgram
@@ -202,8 +202,7 @@ def _tracing_context(program: TrainProgram, mesh):
             def constrain(x, axes):
                 manual = manual_axes()
                 if manual:  # inside a shard_map over them: x is this device's part, on the other axes
-                    sizes = tuple(1 if a in manual else program.mesh.size(a) for a in MESH_AXES)
-                    spec = logical_to_spec(axes, x.shape, program.rules, MeshSpec(sizes, program.mesh.order),
+                    spec = logical_to_spec(axes, x.shape, program.rules, program.mesh.inside_manual(manual),
                                            f"activation {axes}")
                     return jax.lax.with_sharding_constraint(x, spec)
                 spec = logical_to_spec(axes, x.shape, program.rules, program.mesh, f"activation {axes}")

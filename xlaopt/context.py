@@ -1,5 +1,5 @@
 """What a pass is handed and what it hands back: `PassContext` (besides the program: the
-cluster, the target compiler, a cache) and `PassResult`; `Pass` is the protocol between them.
+cluster, the target compiler, a cache) and `PassResult`; `Pass` is the base every pass derives.
 
 The cache holds what depends only on the model and its settings (abstract parameters and
 state, the activations the model constrains), so a pipeline, or a planner pricing hundreds of
@@ -8,7 +8,7 @@ layouts of one model, traces the model once per distinct key instead of once per
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar
 
 from xlaopt.program import TrainProgram
 
@@ -65,10 +65,37 @@ class PassResult:
     report: dict[str, Any]
 
 
-class Pass(Protocol):
-    """Optionally also `why_not(program, ctx) -> str | None`: why the pass does not fit this
-    program or target (the pipeline skips it, or refuses it when asked for by name)."""
-    name: str
-    summary: str
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """A pass: a frozen dataclass whose fields are its options. The pipeline asks `why_not` first
+    and skips the pass (or refuses it, when asked for by name) on a reason; `run` never mutates
+    its input; after it the pipeline runs `ensures` on the result, the pass's own invariants.
 
-    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult: ...
+    `name` and `summary` are the class's, not options an instance could override. A pass that is
+    off unless enabled derives `OffUnlessEnabled` instead: one field and one reason for all.
+    """
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def why_not(self, program: TrainProgram, ctx: PassContext) -> str | None:
+        """Why the pass does not fit this program or target; None where it does."""
+        return None
+
+    def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
+        raise NotImplementedError
+
+    def ensures(self, before: TrainProgram, after: TrainProgram, ctx: PassContext) -> list[str]:
+        """What is wrong with `after`, the program this pass returned for `before` (empty: nothing)."""
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class OffUnlessEnabled(Pass):
+    """A pass that runs only when enabled (`--pass-option NAME.enabled=true`), for `off_because`."""
+    off_because: ClassVar[str] = ""
+    enabled: bool = False
+
+    def off(self) -> str | None:
+        if self.enabled:
+            return None
+        return f"off unless enabled (--pass-option {self.name}.enabled=true): {self.off_because}"

@@ -49,6 +49,11 @@ class MeshSpec:
     def with_order(self, order) -> "MeshSpec":
         return MeshSpec(self.sizes, tuple(order))
 
+    def inside_manual(self, axes) -> "MeshSpec":
+        """The mesh as an array inside a shard_map manual over `axes` sees it: each of those axes
+        already split out of the array (size 1), the others as they are."""
+        return MeshSpec(tuple(1 if a in axes else s for a, s in zip(MESH_AXES, self.sizes)), self.order)
+
     def placement(self) -> tuple[int, ...]:
         """Device index (node-major) of each logical mesh position, row-major over MESH_AXES."""
         import numpy as np

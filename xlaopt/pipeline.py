@@ -1,11 +1,13 @@
 """Passes and the one ordered pipeline.
 
-A pass is a frozen dataclass with a stable kebab-case `name`, a one-line `summary`, its
-options as fields, and `run(program, ctx) -> PassResult(program, changed, report)`; it never
-mutates its input. `ctx` (`xlaopt.context.PassContext`) carries the target, the topology and
-a cache. The pipeline checks between passes that `changed` is honest (equal to
-`new != old`), can dump the lowered and compiled HLO after each pass that changed the program, and names the failing
-pass and the ones that ran before it when something goes wrong.
+A pass derives `xlaopt.context.Pass`: a frozen dataclass with a stable kebab-case `name` and a
+one-line `summary` (class variables), its options as fields, `why_not(program, ctx)` and
+`run(program, ctx) -> PassResult(program, changed, report)`; it never mutates its input. `ctx`
+(`xlaopt.context.PassContext`) carries the target, the topology and a cache. Between passes the
+pipeline checks that `changed` is honest (equal to `new != old`), the pass's own `ensures` and the
+invariants every program keeps (`xlaopt.invariants`); it can dump, after each pass that changed
+the program, what changed beside the lowered and compiled HLO, and names the failing pass and the
+ones that ran before it when something goes wrong.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pathlib
 import re
 from typing import Any, Mapping, Sequence, get_type_hints
 
-from xlaopt.context import Pass, PassContext
+from xlaopt import invariants
+from xlaopt.context import OffUnlessEnabled, Pass, PassContext
 from xlaopt.errors import UserError
 from xlaopt.program import TrainProgram
 
@@ -70,8 +73,7 @@ def parse_pass_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
                             f"--pass-option mesh-layout.constrain_activations=false")
         if name not in classes:
             raise UserError(f"--pass-option {item!r}: unknown pass {name!r}; passes are: {', '.join(classes)}")
-        fields = {f.name: get_type_hints(classes[name])[f.name] for f in dataclasses.fields(classes[name])
-                  if f.init and f.name not in ("name", "summary")}
+        fields = {f.name: get_type_hints(classes[name])[f.name] for f in dataclasses.fields(classes[name]) if f.init}
         out.setdefault(name, {}).update(parse_assignments([f"{field}={raw}"], fields, "--pass-option",
                                                           f"{name} option", "mesh-layout.constrain_activations=false"))
     return out
@@ -89,6 +91,11 @@ def select_passes(passes: Sequence[Pass], only: Sequence[str] | None = None,
     return tuple(chosen)
 
 
+def why_not(p: Pass, program: TrainProgram, ctx: PassContext) -> str | None:
+    """Why the pipeline skips `p` for `program`: off unless enabled, or it does not fit."""
+    return (p.off() if isinstance(p, OffUnlessEnabled) else None) or p.why_not(program, ctx)
+
+
 def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | pathlib.Path | None = None,
                  ctx: PassContext | None = None) -> tuple[TrainProgram, list[PassRecord]]:
     ctx = ctx or PassContext.for_program(program)
@@ -96,46 +103,60 @@ def run_pipeline(program: TrainProgram, passes: Sequence[Pass], dump_dir: str | 
         raise UserError(f"the pipeline runs for target {ctx.target} but the program is built for {program.target}")
     records: list[PassRecord] = []
     if dump_dir is not None:
-        _dump(program, pathlib.Path(dump_dir), 0, "input")
+        _dump(program, program, pathlib.Path(dump_dir), 0, "input")
     for index, p in enumerate(passes, start=1):
+        if not isinstance(p, Pass):
+            raise PipelineError(f"{p!r} is not a pass: derive xlaopt.context.Pass (or OffUnlessEnabled)")
         if not _KEBAB.match(p.name):
             raise PipelineError(f"pass name {p.name!r} is not kebab-case")
-        ran = ", ".join(r.name for r in records) or "none"
-        why_not = getattr(p, "why_not", None)
-        reason = why_not(program, ctx) if why_not is not None else None
+        reason = why_not(p, program, ctx)
         if reason:  # the pass does not fit this program or target
             if p.name in ctx.requested:
                 raise UserError(f"{p.name}: {reason}")
             records.append(PassRecord(p.name, False, {"skipped": reason}))
             continue
-        try:
-            result = p.run(program, ctx)
-        except UserError as e:
-            raise type(e)(f"{p.name}: {e}") from e
-        except Exception as e:
-            raise PipelineError(f"pass {p.name!r} failed (passes run before it: {ran}): {e}") from e
-        if result.program.target != ctx.target:
-            raise PipelineError(f"pass {p.name!r} changed the target to {result.program.target} (passes run "
-                                f"before it: {ran}); the target is the pipeline's, not a pass's")
-        actually_changed = result.program != program
-        if result.changed != actually_changed:
-            raise PipelineError(f"pass {p.name!r} reported changed={result.changed} but the program "
-                                f"{'did' if actually_changed else 'did not'} change (passes run before it: {ran})")
+        result = _run_one(p, program, ctx, ran=", ".join(r.name for r in records) or "none")
         dumped = ()
         if dump_dir is not None and result.changed:  # an unchanged program's HLO is the last dump's
-            dumped = _dump(result.program, pathlib.Path(dump_dir), index, p.name)
+            dumped = _dump(program, result.program, pathlib.Path(dump_dir), index, p.name)
         records.append(PassRecord(p.name, result.changed, result.report, dumped))
         program = result.program
     return program, records
 
 
-def _dump(program: TrainProgram, dump_dir: pathlib.Path, index: int, name: str) -> tuple[str, ...]:
+def _run_one(p: Pass, program: TrainProgram, ctx: PassContext, ran: str):
+    """`p.run`, then every check of its result; a failure names the pass and those before it."""
+    try:
+        result = p.run(program, ctx)
+    except UserError as e:
+        raise type(e)(f"{p.name}: {e}") from e
+    except Exception as e:
+        raise PipelineError(f"pass {p.name!r} failed (passes run before it: {ran}): {e}") from e
+    if result.program.target != ctx.target:
+        raise PipelineError(f"pass {p.name!r} changed the target to {result.program.target} (passes run "
+                            f"before it: {ran}); the target is the pipeline's, not a pass's")
+    actually_changed = result.program != program
+    if result.changed != actually_changed:
+        raise PipelineError(f"pass {p.name!r} reported changed={result.changed} but the program "
+                            f"{'did' if actually_changed else 'did not'} change (passes run before it: {ran})")
+    problems = p.ensures(program, result.program, ctx) + invariants.violations(result.program, ctx)
+    if problems:
+        raise PipelineError(f"pass {p.name!r} returned a broken program (passes run before it: {ran}): "
+                            f"{'; '.join(problems)}")
+    return result
+
+
+def _dump(before: TrainProgram, program: TrainProgram, dump_dir: pathlib.Path, index: int,
+          name: str) -> tuple[str, ...]:
+    """The program's diff from `before` (what the pass changed), its lowered and compiled HLO."""
     from xlaopt.compile import compile_program
 
     dump_dir.mkdir(parents=True, exist_ok=True)
     compiled = compile_program(program)
     stem = dump_dir / f"{index:02d}-{name}"
+    diff_path = stem.with_suffix(".diff")
     lowered_path, compiled_path = stem.with_suffix(".lowered.mlir"), stem.with_suffix(".compiled.hlo")
+    diff_path.write_text("\n".join(invariants.program_diff(before, program) or ["(the pipeline's input)"]) + "\n")
     lowered_path.write_text(compiled.lowered.as_text())
     compiled_path.write_text(compiled.train_step.as_text())
-    return str(lowered_path), str(compiled_path)
+    return str(diff_path), str(lowered_path), str(compiled_path)

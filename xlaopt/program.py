@@ -125,3 +125,12 @@ class TrainProgram:
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)
+
+    def with_grad_transform(self, transform: GradTransform) -> "TrainProgram":
+        """The program with `transform` in place of its transform of the same kind, where it has
+        one (so a pass run again keeps the order the first run gave), else applied last."""
+        kinds = [type(t) for t in self.grad_transforms]
+        if type(transform) not in kinds:
+            return self.replace(grad_transforms=self.grad_transforms + (transform,))
+        at = kinds.index(type(transform))
+        return self.replace(grad_transforms=self.grad_transforms[:at] + (transform,) + self.grad_transforms[at + 1:])

@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType
 from xlaopt import loss_scale
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
-from xlaopt.models.layers import activation_constraint
+from xlaopt.models.layers import activation_constraint, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 
 
@@ -219,13 +219,14 @@ def param_count(program: TrainProgram) -> int:
     return int(sum(np.prod(p.shape, dtype=np.int64) for p in jax.tree.leaves(params)))
 
 
-def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...], tuple]]:
-    """(shape, logical axes) of every activation the model constrains, found by tracing
-    the gradient function abstractly with a recording constraint."""
+def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...], tuple, tuple[str, ...]]]:
+    """(shape, logical axes, manual mesh axes) of every activation the model constrains, found by
+    tracing the gradient function abstractly with a recording constraint. Inside a rewrite's
+    shard_map (manual axes named) the shape is one device's part along those axes."""
     seen: dict = {}
 
     def record(x, axes):
-        seen[(tuple(x.shape), axes)] = None
+        seen[(tuple(x.shape), axes, manual_axes())] = None
         return x
 
     params, _ = abstract_params_with_axes(program)
