@@ -225,3 +225,18 @@ def test_first_look_command_runs(command):
     printed = out.getvalue()
     missing = [s for s in FIRST_LOOK[command] if s not in printed]
     assert not missing, f"`xlaopt {command}` printed none of {missing}:\n{printed[-2000:]}"
+
+
+def test_benchmarks_open_with_headline_figures_each_linked_to_its_section():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    first = re.search(r"^## (.+)$", text, re.M).group(1)
+    assert first == "Headline figures", f"BENCHMARKS.md's first section is {first!r}, not the headline table"
+    table = [line for line in _section(text, "Headline figures").splitlines() if line.startswith("| ")]
+    assert table[0] == "| figure | value | anchor | date | command |", table[0]
+    rows = table[1:]
+    assert len(rows) >= 10
+    sections = anchors(ROOT / "BENCHMARKS.md") - {"headline-figures", "benchmarks"}
+    for row in rows:
+        link = re.match(r"\| \[[^\]]+\]\(#([^)]+)\) \|", row)
+        assert link and link.group(1) in sections, f"a headline row must link to the section it comes from: {row}"
+        assert re.search(r"\| 20\d\d-\d\d-\d\d \|", row), f"a headline row needs its date: {row}"
