@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xlaopt import compile_cache, loss_scale
+from xlaopt import compile_cache, compiler_log, loss_scale
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import make_mesh
@@ -68,6 +68,9 @@ class CompiledProgram:
                                   in_shardings=(self.state_shardings.params, self.batch_shardings, key_sh),
                                   out_shardings=(None, None, self.state_shardings.params))
         self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
+        # What XLA logged while compiling this program's functions, as one line a kind of trouble
+        # (`xlaopt.compiler_log`): a command reports them beside its answer.
+        self.compiler_notes: list[str] = []
 
     def put_batch(self, batch: dict):
         """Host batch -> global arrays. In a multi-process job `batch` holds this process's
@@ -156,15 +159,17 @@ class CompiledProgram:
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (str(options.get("xla_disable_hlo_passes", "")),
                                                                         marker)))
         with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform), \
-                compile_cache.reading_entries(f"{program.model.name}'s step"):
+                compile_cache.reading_entries(f"{program.model.name}'s step"), compiler_log.captured() as log:
             try:
-                return lowered.compile(options)
+                compiled = lowered.compile(options)
             except Exception as e:  # XLA's own words on an option it does not know or cannot parse
                 message = str(e)
                 if "No such compile option" in message or "While setting option" in message:
                     raise UserError(f"compiler options {dict(program.compiler_options)}: XLA (jax "
                                     f"{jax.__version__}) says: {message.splitlines()[0]}") from None
                 raise
+        self.compiler_notes += [n for n in log.notes if n not in self.compiler_notes]
+        return compiled
 
 
 def check_batch_rows(program: TrainProgram, batch: dict) -> None:

@@ -132,6 +132,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
                      "exposed; bounds.perfect_overlap_s is the step time if all of it were hidden")
         notes.append(f"CPU artefacts undone when pricing: matmuls at the {dtype} peak, collectives at their "
                      f"pre-widening bytes, all-reduce + slice as reduce-scatter, f32->bf16->f32 fusions free")
+    notes += [f"XLA, compiling this step: {n}" for n in compiled.compiler_notes]
     notes.append("one device simulated (SPMD); kernel launch overheads not modelled; compute priced by the "
                  "roofline with costmodel.FITTED efficiencies")
     if work.loop_trips:

@@ -15,6 +15,7 @@ def priced_json(plan: Plan, p: Priced, full_layout: bool = True) -> dict:
            "analytic_step_time_s": p.analytic.step_time_s, "analytic_memory_per_device_bytes": p.analytic.memory_bytes,
            "reason": p.reason}
     if p.compiled is not None:
+        out["compiler_notes"] = [n for n in p.compiled["notes"] if n.startswith("XLA, compiling")]
         out["compiled_memory_per_device_bytes"] = p.compiled["memory_per_device_bytes"]["peak_estimate"]
         out["exposed_comm_s"] = p.compiled["exposed_comm_s"]
     return out
@@ -63,6 +64,8 @@ def format_plan(result: dict, rows: int = 12) -> str:
     n = result["counts"]
     lines.append(f"{n['space']} candidates: {n['fit']} fit, {n['unfit']} over memory, {n['rejected']} cannot be "
                  f"built, {n['compiled']} compiled; {result['seconds']:.1f} s")
+    for c in result["candidates"] + result["unfit"]:
+        lines += [f"  {c['candidate']}: {note}" for note in c.get("compiler_notes", ())]
     for r in result["rejected"][:4]:
         lines.append(f"  cannot build {r['candidates']}: {r['reason']}")
     if result["unfit"]:
