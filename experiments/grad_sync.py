@@ -6,7 +6,7 @@
 Both sides reduce the same data-parallel gradients of the model's parameters (fp32, each device
 its own) over data=8:
   flat          one all-reduce over all 8 data ranks per parameter, as XLA's partitioner emits;
-  hierarchical  `HierarchicalGradReduce.reduce`, the pass's own code: reduce-scatter inside the
+  hierarchical  `HierarchicalGradsTransform.reduce`, the pass's own code: reduce-scatter inside the
                 process, all-reduce of a quarter across the processes, all-gather inside.
 Each is one jitted function, timed per call (block until ready), median over `--steps` calls after
 warm-up; the two alternate call by call so load on the machine falls on both. The whole train step
@@ -135,7 +135,7 @@ def worker(args) -> None:
     from xlaopt.models.registry import get_config
     from xlaopt.pipeline import pipeline, run_pipeline, select_passes
     from xlaopt.program import TrainProgram, TrainSettings
-    from xlaopt.transforms.hierarchical_reduce import HierarchicalGradReduce
+    from xlaopt.transforms.hierarchical_grads import HierarchicalGradsTransform
 
     config = get_config(args.model)
     batch = BatchShape(8, 64, 0) if config.family == "decoder" else family_of(config).default_batch(config)
@@ -143,7 +143,7 @@ def worker(args) -> None:
     hier, records = run_pipeline(program, pipeline())  # the nodes are the processes
     flat, _ = run_pipeline(program, select_passes(pipeline(), disable=["hierarchical-grads"]))
     report = next(r.report for r in records if r.name == "hierarchical-grads")
-    (transform,) = [t for t in hier.grad_transforms if isinstance(t, HierarchicalGradReduce)]
+    (transform,) = [t for t in hier.grad_transforms if isinstance(t, HierarchicalGradsTransform)]
     dims = dict(transform.scatter_dims)
 
     mesh = make_mesh(program.mesh)

@@ -122,7 +122,7 @@ def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0
 
 # How an implementation is called: directly, unless a rewrite installs a wrapper
 # `(attend, q, k, v, q_tokens, k_tokens) -> out` that calls `attend(q, k, v, q_tokens, k_tokens)`
-# its own way (context parallel: `xlaopt.transforms.ulysses`).
+# its own way (context parallel: `xlaopt.transforms.ulysses_attention`).
 _ATTENTION_WRAPPER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_attention_wrapper",
                                                                                     default=None)
 

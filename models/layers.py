@@ -89,7 +89,7 @@ def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 # How a matmul that contracts over a dimension tensor parallelism splits runs: by default one
 # einsum, whose partial sums XLA then all-reduces; a rewrite may install its own (a ring that
-# overlaps the reduction with the matmul, `xlaopt.transforms.ring_matmul`).
+# overlaps the reduction with the matmul, `xlaopt.transforms.collective_matmul`).
 _REDUCE_MATMUL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_reduce_matmul",
                                                                                 default=None)
 

@@ -1,5 +1,5 @@
 """collective-matmul: tensor parallel's output projections as ppermute rings interleaved with
-partial matmuls (`xlaopt.transforms.ring_matmul`), so the reduction over the tensor ranks
+partial matmuls (`xlaopt.transforms.collective_matmul`), so the reduction over the tensor ranks
 overlaps the matmul instead of following it.
 
 Fits where the tensor axis splits the heads and the MLP (the rule table's `act_heads`, `act_mlp`
@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from xlaopt.context import OffUnlessEnabled, PassContext, PassResult
 from xlaopt.program import TrainProgram
-from xlaopt.transforms.ring_matmul import RingMatmul
+from xlaopt.transforms.collective_matmul import CollectiveMatmulTransform
 
 AXIS = "tensor"
 
@@ -47,6 +47,6 @@ class CollectiveMatmul(OffUnlessEnabled):
         return None
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
-        transform = RingMatmul(AXIS, program.mesh.size(AXIS), self.bidirectional)
+        transform = CollectiveMatmulTransform(AXIS, program.mesh.size(AXIS), self.bidirectional)
         new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {"ring": program.mesh.size(AXIS), "bidirectional": self.bidirectional})

@@ -4,7 +4,7 @@ share of them crosses the network.
 Where the rows are split over the `data` axis, no parameter is split over it, and `data` spans
 several nodes with several of its ranks in each, XLA all-reduces every gradient over all data
 ranks: each gradient byte crosses the network. This pass installs
-`xlaopt.transforms.hierarchical_reduce.HierarchicalGradReduce`: reduce-scatter inside the node,
+`xlaopt.transforms.hierarchical_grads.HierarchicalGradsTransform`: reduce-scatter inside the node,
 all-reduce of the shards across nodes, all-gather inside the node, each layer's inside the
 backward loop. Where parameters are sharded inside the node (HSDP: fsdp within, data across),
 XLA already sends only the shards across (tests/test_grad_sync.py) and the pass does not apply.
@@ -36,7 +36,7 @@ from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
 from xlaopt.program import TrainProgram
-from xlaopt.transforms.hierarchical_reduce import WHOLE, HierarchicalGradReduce, path_name
+from xlaopt.transforms.hierarchical_grads import WHOLE, HierarchicalGradsTransform, path_name
 
 AXIS = "data"
 
@@ -141,7 +141,7 @@ class HierarchicalGrads(Pass):
         family = family_of(program.model)
         rows = {n: list(a).index("batch") for n, (_, _, a) in batch_spec(program).items()}
         rows.update({n: list(a).index("batch") for n, a in family.draw_axes})
-        transform = HierarchicalGradReduce(AXIS, groups, tuple(sorted(rows.items())), tuple(scatter), tuple(in_loop),
+        transform = HierarchicalGradsTransform(AXIS, groups, tuple(sorted(rows.items())), tuple(scatter), tuple(in_loop),
                                            tuple(a for a in batch_axes(program) if a != AXIS))
         new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {

@@ -18,7 +18,7 @@ from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
 from xlaopt.step import batch_spec, make_optimizer
-from xlaopt.transforms.hierarchical_reduce import path_name
+from xlaopt.transforms.hierarchical_grads import path_name
 
 
 @dataclasses.dataclass(frozen=True)

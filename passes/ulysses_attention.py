@@ -1,4 +1,4 @@
-"""ulysses-attention: context parallel attention by all-to-all (`xlaopt.transforms.ulysses`).
+"""ulysses-attention: context parallel attention by all-to-all (`xlaopt.transforms.ulysses_attention`).
 
 Where the context axis splits the sequence, every attention runs on whole rows with a share of
 the heads instead of on a share of the rows with gathered keys and values: the all-to-alls carry
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import TrainProgram
-from xlaopt.transforms.ulysses import UlyssesAttention
+from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform
 
 AXIS = "context"
 
@@ -25,7 +25,7 @@ def _seq_split(program: TrainProgram) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Ulysses(Pass):
+class UlyssesAttention(Pass):
     name: ClassVar[str] = "ulysses-attention"
     summary: ClassVar[str] = ("context parallel attention by all-to-all: whole rows, a share of the heads, in head "
                               "groups that overlap each other's all-to-alls")
@@ -51,6 +51,6 @@ class Ulysses(Pass):
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         chunks = self._chunks(program)
-        transform = UlyssesAttention(AXIS, chunks)
+        transform = UlyssesAttentionTransform(AXIS, chunks)
         new = program.with_grad_transform(transform)
         return PassResult(new, new != program, {"context": program.mesh.size(AXIS), "chunks": chunks})

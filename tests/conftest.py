@@ -15,7 +15,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 jax.devices()  # start the backend now so no later call can change the device count
 
-from xlaopt import compile_cache  # noqa: E402
+from xlaopt.compiler import cache as compile_cache  # noqa: E402
 
 # JAX's persistent cache in this run's directory (under XLAOPT_CACHE, so the commands the tests start
 # in other processes share it): programs built apart, in-process or not, compile once.

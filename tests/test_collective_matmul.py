@@ -22,7 +22,7 @@ from xlaopt.mesh import MeshSpec
 from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram, TrainSettings
-from xlaopt.transforms.ring_matmul import RingMatmul
+from xlaopt.transforms.collective_matmul import CollectiveMatmulTransform
 
 from conftest import check_pass, needs_devices
 
@@ -34,7 +34,7 @@ LLAMA = get_config("llama-tiny")
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_the_ring_equals_the_einsum_forward_and_backward(bidirectional):
     mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    ring = RingMatmul("tensor", 4, bidirectional)
+    ring = CollectiveMatmulTransform("tensor", 4, bidirectional)
     x = jax.random.normal(jax.random.key(0), (4, 16, 8, 5))
     w = jax.random.normal(jax.random.key(1), (8, 5, 12))
     eq = "blhk,hkd->bld"

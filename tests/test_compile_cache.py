@@ -9,9 +9,9 @@ import textwrap
 import jax
 import pytest
 
-from xlaopt import compile_cache
 from xlaopt.analysis import hlo
 from xlaopt.compile import compile_program
+from xlaopt.compiler import cache as compile_cache
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec, mesh_over
 from xlaopt.models.registry import get_config
@@ -47,7 +47,7 @@ def test_an_unwritable_directory_is_refused_before_any_work(tmp_path):
 _COMPILE = textwrap.dedent("""
     import sys, jax
     jax.config.update("jax_platforms", "cpu")
-    from xlaopt import compile_cache
+    from xlaopt.compiler import cache as compile_cache
     from xlaopt.compile import compile_program
     from xlaopt.models.registry import get_config
     from xlaopt.program import TrainProgram

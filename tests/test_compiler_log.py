@@ -3,8 +3,8 @@ matters becomes one note; `--verbose` lets them through; our own lines always go
 import dataclasses
 import os
 
-from xlaopt import compiler_log
 from xlaopt.compile import compile_program
+from xlaopt.compiler import log as compiler_log
 from xlaopt.models.registry import get_config
 from xlaopt.program import TrainProgram
 from xlaopt.transforms import HloTransform

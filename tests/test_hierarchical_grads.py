@@ -20,7 +20,7 @@ from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.runtime.verify import reference_program
-from xlaopt.transforms.hierarchical_reduce import HierarchicalGradReduce
+from xlaopt.transforms.hierarchical_grads import HierarchicalGradsTransform
 
 from conftest import check_pass, needs_devices
 
@@ -52,7 +52,7 @@ def pure_dp():
 def test_pure_data_parallel_gradients_equal_one_device(pure_dp):
     program, laid, records, _ = pure_dp
     assert records["hierarchical-grads"].changed
-    assert any(isinstance(t, HierarchicalGradReduce) for t in laid.grad_transforms)
+    assert any(isinstance(t, HierarchicalGradsTransform) for t in laid.grad_transforms)
     _, single_records = run_pipeline(reference_program(program), pipeline())
     assert "skipped" in {r.name: r.report for r in single_records}["hierarchical-grads"]
     check_pass(program, TOPOLOGY)

@@ -33,7 +33,7 @@ _CACHED_COMPILES = textwrap.dedent("""
     import sys, jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    from xlaopt import compile_cache
+    from xlaopt.compiler import cache as compile_cache
     from xlaopt.compile import compile_program
     from xlaopt.models.registry import get_config
     from xlaopt.program import TrainProgram

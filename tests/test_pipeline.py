@@ -15,7 +15,7 @@ from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.models.registry import get_config
-from xlaopt.pipeline import PipelineError, parse_pass_options, pipeline, run_pipeline, select_passes
+from xlaopt.pipeline import PipelineError, parse_pass_options, pass_classes, pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram
 from xlaopt.transforms import GradTransform, HloTransform
 from xlaopt.transforms.compiler_options import CompilerOptions
@@ -32,6 +32,22 @@ def test_passes_have_kebab_names_and_summaries():
     names = [p.name for p in pipeline()]
     assert names[:2] == ["layout-plan", "mesh-layout"] and len(set(names)) == len(names)
     assert all(p.summary and "\n" not in p.summary for p in pipeline())
+
+
+def test_a_pass_and_its_transform_are_named_alike():
+    """The pass `x-y` in passes/x_y.py installs XYTransform from xlaopt/transforms/x_y.py, named `x-y`."""
+    import importlib
+
+    for cls in pass_classes():
+        module = cls.name.replace("-", "_")
+        assert cls.__module__ == f"xlaopt.passes.{module}" and cls.__name__ == cls.name.title().replace("-", "")
+        try:
+            transforms = importlib.import_module(f"xlaopt.transforms.{module}")
+        except ModuleNotFoundError:
+            continue  # a pass that installs no transform (it lays out, plans or sets options)
+        (transform,) = [v for v in vars(transforms).values() if isinstance(v, type) and v.__module__ == transforms.__name__
+                        and issubclass(v, GradTransform)]
+        assert transform.__name__ == f"{cls.__name__}Transform" and transform.name == cls.name
 
 
 def test_mesh_layout_changes_once_then_nothing(program):

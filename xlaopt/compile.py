@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from xlaopt import compile_cache, compiler_log, loss_scale
+from xlaopt import loss_scale
+from xlaopt.compiler import cache as compile_cache, log as compiler_log
 from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import make_mesh
@@ -69,7 +70,7 @@ class CompiledProgram:
                                   out_shardings=(None, None, self.state_shardings.params))
         self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
         # What XLA logged while compiling this program's functions, as one line a kind of trouble
-        # (`xlaopt.compiler_log`): a command reports them beside its answer.
+        # (`xlaopt.compiler.log`): a command reports them beside its answer.
         self.compiler_notes: list[str] = []
 
     def put_batch(self, batch: dict):

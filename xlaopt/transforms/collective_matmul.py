@@ -105,8 +105,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
-class RingMatmul(GradTransform):
-    name: ClassVar[str] = "ring-matmul"
+class CollectiveMatmulTransform(GradTransform):
+    name: ClassVar[str] = "collective-matmul"
     axis: str  # the mesh axis the contraction is split over (tensor)
     size: int  # its size: the ring's length
     bidirectional: bool = True

@@ -36,8 +36,8 @@ def path_name(path) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchicalGradReduce(GradTransform):
-    name: ClassVar[str] = "hierarchical-grad-reduce"
+class HierarchicalGradsTransform(GradTransform):
+    name: ClassVar[str] = "hierarchical-grads"
     axis: str  # the mesh axis the rows are split over and no parameter is
     node_groups: tuple[tuple[int, ...], ...]  # indices along `axis` that share a node, each group one node
     row_dims: tuple[tuple[str, int], ...]  # each batch array's (and draw's) row dimension
@@ -108,7 +108,7 @@ class HierarchicalGradReduce(GradTransform):
         return wrapped
 
 
-def _reduced_in_backward(t: HierarchicalGradReduce, dims: tuple[int, ...]):
+def _reduced_in_backward(t: HierarchicalGradsTransform, dims: tuple[int, ...]):
     """The identity on a list of parameters whose backward reduces their gradients."""
     @jax.custom_vjp
     def identity(leaves):

@@ -29,7 +29,7 @@ from xlaopt.transforms import GradTransform
 
 
 @dataclasses.dataclass(frozen=True)
-class UlyssesAttention(GradTransform):
+class UlyssesAttentionTransform(GradTransform):
     name: ClassVar[str] = "ulysses-attention"
     axis: str  # the mesh axis that splits the sequence (context)
     chunks: int = 2  # head groups whose all-to-alls and attentions are independent
