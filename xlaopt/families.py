@@ -31,6 +31,15 @@ class Family:
     segment_keys: tuple[str, ...]  # batch arrays whose nonzero entries are real tokens
     attention_calls: Callable  # host batch -> ((query Tokens, key Tokens), ...) of one layer's attentions
     default_batch: Callable  # config -> BatchShape
+    # What the model can do, asked instead of its name. Transformer towers of `num_layers` layers
+    # each, resident while serving (none for a CNN, whose parameters only fsdp can split).
+    towers: int = 1
+    decodes_text: bool = False  # a causal text tower with a vocabulary head: a KV-cached token step
+    # A generator tower denoising video latents after the text: rows have a text and a generator
+    # part, and the model serves a denoising step.
+    generates_video: bool = False
+    # Its batches can be packed from stored samples (a store, a mix); else only its synthetic stream.
+    packs_samples: bool = False
     # The step's random draws from a (micro-)batch and key, {name: array}, added to the batch
     # before the loss sees it; their logical axes as (name, axes) pairs.
     draws: Callable = lambda batch, key: {}
@@ -40,6 +49,10 @@ class Family:
     # step's metrics, whose entries it consumes: (config, state, metrics) -> (state, metrics).
     init_state: Callable = lambda variables: None
     update_state: Callable | None = None
+
+    @property
+    def has_layer_stack(self) -> bool:
+        return self.towers > 0
 
     def with_draws(self, batch: dict, key) -> dict:
         return {**batch, **self.draws(batch, key)}
@@ -71,16 +84,18 @@ def _resnet_update(config, running, metrics):
 FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
-                      lambda c: BatchShape(8, 56, 104), objective.draws, objective.DRAW_AXES),
+                      lambda c: BatchShape(8, 56, 104), towers=2, decodes_text=True, generates_video=True,
+                      packs_samples=True, draws=objective.draws, draw_axes=objective.DRAW_AXES),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
-                      SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0)),
+                      SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0),
+                      decodes_text=True),
     "vit": Family("vit", _module(vit.ViT), vit_batch_spec, vit.loss_fn, vit.batch_train_flops,
                   functools.partial(SyntheticImages, batch_spec=vit_batch_spec),
                   ("segment_ids_BT",), vit.attention_calls, lambda c: BatchShape(8, c.tokens, 0)),
     # A row is an image, one "token"; no attention.
     "resnet": Family("resnet", _resnet_module, resnet_batch_spec, resnet.loss_fn, resnet.batch_train_flops,
                      functools.partial(SyntheticImages, batch_spec=resnet_batch_spec), ("valid_B",),
-                     lambda batch: (), lambda c: BatchShape(8, 1, 0),
+                     lambda batch: (), lambda c: BatchShape(8, 1, 0), towers=0,
                      init_state=lambda variables: variables["batch_stats"], update_state=_resnet_update),
 }
 

@@ -57,8 +57,9 @@ def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str, skip_ov
     from xlaopt.compile import row_groups
     from xlaopt.data.plan import plan_batch
     from xlaopt.errors import UserError
+    from xlaopt.families import family_of
 
-    if program.model.family != "cosmos3":
+    if not family_of(program.model).packs_samples:
         raise UserError(f"{source}: sample mixes and stores hold Cosmos 3 samples; {program.model.name} is priced "
                         f"on its synthetic stream (drop --mix/--data)")
     shape = program.settings.batch

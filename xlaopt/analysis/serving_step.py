@@ -81,7 +81,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     from xlaopt.inference.placement import Placement
     from xlaopt.planning.serving import Request, price_denoise
 
-    if config.family != "cosmos3":
+    if not family_of(config).generates_video:
         raise UserError(f"--serve denoise compiles a generator's denoising step; {config.name} has no generator")
     sc.check_guidance(guidance)
     cfg = guidance != 1.0
@@ -152,7 +152,7 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     from xlaopt.inference.placement import Placement
     from xlaopt.planning.serving import Request, price_decode
 
-    if config.family not in ("decoder", "cosmos3"):
+    if not family_of(config).decodes_text:
         raise UserError(f"--serve decode compiles a causal text tower's token step; {config.name} has none")
     if spec.num_devices > topology.num_devices:
         raise UserError(f"mesh {spec} needs {spec.num_devices} devices but topology {topology.name} has "

@@ -24,7 +24,9 @@ _DATA_FIELDS = ("vocab_size", "generator_in_dim", "latent_patch_dim", "action_di
 
 
 def _check(config: Cosmos3Config, samples: int) -> None:
-    if config.family != "cosmos3":
+    from xlaopt.families import family_of
+
+    if not family_of(config).packs_samples:
         raise UserError(f"--model {config.name}: synthetic stores hold Cosmos 3 samples; pick a cosmos3-* model")
     if samples < 1:
         raise UserError(f"--samples {samples}: need at least one sample")

@@ -14,6 +14,7 @@ from xlaopt.analysis.costmodel import efficiency_for
 from xlaopt.analysis.priced_batch import PricedBatch
 from xlaopt.analysis.topology import Topology, preset
 from xlaopt.errors import UserError
+from xlaopt.families import family_of
 from xlaopt.layout import Layout
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 from xlaopt.planning.price import AnalyticPrice, price
@@ -246,7 +247,7 @@ def _rank_key(p: Priced):
 
 
 def _shape(program: TrainProgram, work, batch: PricedBatch):
-    if program.model.family != "cosmos3":
+    if not family_of(program.model).generates_video:
         return analytic_shape(program.model)
     pairs = work.pairs_executed if work.pairs_executed is not None else work.pairs_needed
     text = float((batch.arrays["text_segment_ids_BT"] > 0).sum())

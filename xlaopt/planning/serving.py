@@ -100,7 +100,9 @@ def price_decode(config, request: Request, dp: int, tp: int, topology: Topology,
     head_s = cm.roofline_time_s(2 * rows * config.d_model * config.vocab_size / tp, head, peak, dev.hbm_bytes_per_s)
     comm_s = L * _tp_all_reduces(rows, config, tp, topology, eff)
     step = read_s + head_s + comm_s
-    towers = 2 if config.family == "cosmos3" else 1  # Cosmos 3 keeps its generator resident too
+    from xlaopt.families import family_of
+
+    towers = family_of(config).towers  # Cosmos 3 keeps its generator resident too
     memory = {"weights": towers * L * weights + 2 * head, "kv_cache": L * kv_per_layer,
               "activations": rows * config.vocab_size * 4.0 / tp + 4 * rows * config.d_model * _BF16}
     return ServingPrice(dp, tp, step, {"layers": read_s, "head": head_s, "tp_collectives": comm_s},
@@ -139,10 +141,13 @@ def price_denoise(config, request: Request, dp: int, tp: int, topology: Topology
 def plan_serving(config, topology: Topology, request: Request) -> list[ServingPrice]:
     """Every data x tensor split of one node's devices (or of all of them, data across nodes),
     ranked: those that fit, by latency then throughput; then those that do not, with why."""
-    if request.mode == "denoise" and config.family != "cosmos3":
+    from xlaopt.families import family_of
+
+    family = family_of(config)
+    if request.mode == "denoise" and not family.generates_video:
         raise UserError(f"--serve denoise prices a generator's denoising step; {config.name} has no generator "
                         f"(serve it with --serve decode)")
-    if request.mode == "decode" and config.family not in ("decoder", "cosmos3"):
+    if request.mode == "decode" and not family.decodes_text:
         raise UserError(f"--serve decode prices a causal text tower's token step; {config.name} has none")
     eff = cm.efficiency_for(topology)
     price = price_decode if request.mode == "decode" else price_denoise

@@ -100,16 +100,20 @@ def tower_shape(config) -> DecoderShape:
 
 def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fraction: float = 1.0) -> DecoderShape:
     """The shape of a registered config. Cosmos 3 needs the priced rows' attention pairs."""
-    if config.family == "resnet":
+    from xlaopt.families import family_of
+
+    family = family_of(config)
+    if not family.has_layer_stack:
         return conv_shape(config)
     common = _tower_fields(config)
-    if config.family == "decoder":
+    if family.generates_video:
+        if pairs_executed_per_row is None:
+            raise ValueError("a Cosmos 3 shape needs the attention pairs its rows execute")
+        return MoTShape(**common, towers=family.towers, attention_flops_per_row=4.0 * config.num_heads
+                        * config.head_dim * pairs_executed_per_row, text_fraction=text_fraction)
+    if family.decodes_text:
         return DecoderShape(**common, tied_embeddings=config.tie_embeddings)
-    if config.family == "vit":  # one tower, every token sees its whole image, the head on one pooled vector an image
-        T = config.tokens
-        return MoTShape(**common, towers=1, attention_flops_per_row=4.0 * config.num_heads * config.head_dim * T * T,
-                        text_fraction=1.0 / T)
-    if pairs_executed_per_row is None:
-        raise ValueError("a Cosmos 3 shape needs the attention pairs its rows execute")
-    return MoTShape(**common, attention_flops_per_row=4.0 * config.num_heads * config.head_dim * pairs_executed_per_row,
-                    text_fraction=text_fraction)
+    # An image encoder: every token sees its whole image, the head on one pooled vector an image.
+    T = config.tokens
+    return MoTShape(**common, towers=family.towers, attention_flops_per_row=4.0 * config.num_heads * config.head_dim * T * T,
+                    text_fraction=1.0 / T)

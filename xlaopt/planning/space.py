@@ -69,8 +69,11 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
     """(buildable candidates, rejected ones with their reasons) over all `num_devices` devices."""
     ok: list[Candidate] = []
     rejected: list[Rejected] = []
+    from xlaopt.families import family_of
+
     row_lengths = [n for n in (batch.text_len, batch.gen_len) if n > 0]
-    tensor_dims = ({} if config.family == "resnet" else
+    stacked = family_of(config).has_layer_stack
+    tensor_dims = ({} if not stacked else
                    {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.mlp_dim,
                     "vocab": config.vocab_size})
     for tp in (t for t in _divisors(devices_per_node) if num_devices % t == 0):
@@ -78,23 +81,23 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
             data = num_devices // (tp * cp)
             for fsdp in _divisors(data):
                 base = Candidate(data // fsdp, fsdp, tp, cp)
-                reason = _structural_reason(base, config, batch, tensor_dims, row_lengths, attention)
+                reason = _structural_reason(base, config, batch, stacked, tensor_dims, row_lengths, attention)
                 rows_per_rank = batch.batch_size // data if batch.batch_size % data == 0 else 0
                 for remat in REMATS:
                     for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
                         for dtype in precisions:
                             c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype)
-                            why = reason or _remat_reason(config, remat)
+                            why = reason or _remat_reason(stacked, remat)
                             (rejected.append(Rejected(c, why)) if why else ok.append(c))
     return ok, rejected
 
 
-def _structural_reason(c: Candidate, config, batch: BatchShape, tensor_dims: dict, row_lengths: list,
-                       attention: str) -> str:
+def _structural_reason(c: Candidate, config, batch: BatchShape, stacked: bool, tensor_dims: dict,
+                       row_lengths: list, attention: str) -> str:
     """Why the candidate cannot be built at all, or ''."""
     if batch.batch_size % c.data:
         return f"the global batch of {batch.batch_size} rows does not split over {c.data} data ranks"
-    if config.family == "resnet":
+    if not stacked:
         return _conv_reason(c, config)
     bad = [f"{name} {n}" for name, n in tensor_dims.items() if n % c.tp]
     if bad:
@@ -110,8 +113,8 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, tensor_dims: dic
     return ""
 
 
-def _remat_reason(config, remat: str) -> str:
-    return "a CNN has no layer stack to recompute" if config.family == "resnet" and remat != "none" else ""
+def _remat_reason(stacked: bool, remat: str) -> str:
+    return "a CNN has no layer stack to recompute" if not stacked and remat != "none" else ""
 
 
 def _conv_reason(c: Candidate, config) -> str:
