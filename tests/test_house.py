@@ -66,6 +66,10 @@ def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) ->
     return edges
 
 
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
@@ -159,13 +163,19 @@ def test_no_import_cycle():
 def test_checkpoint_and_data_share_io_and_never_import_each_other():
     graph = import_graph()
     packages = {"checkpoint": "xlaopt.checkpoint", "data": "xlaopt.data", "io": "xlaopt.io"}
-    inside = lambda module, pkg: module == pkg or module.startswith(pkg + ".")
     for module, edges in graph.items():
         for a, b in (("checkpoint", "data"), ("data", "checkpoint"), ("io", "checkpoint"), ("io", "data")):
-            if inside(module, packages[a]):
-                assert not any(inside(e, packages[b]) for e in edges), (module, sorted(edges))
-    assert any(inside(e, "xlaopt.io") for e in graph["xlaopt.data.shard_reader"])
-    assert any(inside(e, "xlaopt.io") for e in graph["xlaopt.checkpoint.reader"])
+            if _inside(module, packages[a]):
+                assert not any(_inside(e, packages[b]) for e in edges), (module, sorted(edges))
+    assert any(_inside(e, "xlaopt.io") for e in graph["xlaopt.data.shard_reader"])
+    assert any(_inside(e, "xlaopt.io") for e in graph["xlaopt.checkpoint.reader"])
+
+
+def test_analysis_never_imports_planning():
+    """Analysis prices programs; planning searches layouts with those prices, so it sits above."""
+    upward = {module: sorted(e for e in edges if _inside(e, "xlaopt.planning"))
+              for module, edges in import_graph().items() if _inside(module, "xlaopt.analysis")}
+    assert not any(upward.values()), {m: e for m, e in upward.items() if e}
 
 
 def test_small_top_level():

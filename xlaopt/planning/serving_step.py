@@ -2,7 +2,7 @@
 decode step (an LLM, Cosmos 3's reasoner), or one Cosmos 3 denoising step with the reasoner's
 K/V cached and the same step uncached, on a mesh, compiled by XLA's CPU pipeline or deviceless
 for the topology's GPUs, its scheduled HLO simulated on the topology, beside the serving
-planner's analytic price (`xlaopt.planning.serving`) for the same split.
+planner's analytic price (`serving.py` beside it) for the same split.
 
 Nothing is allocated: the parameters (in the compute dtype, as a server holds them), the tokens
 and the cache are abstract arrays carrying their shardings (`xlaopt.inference.placement`), and
