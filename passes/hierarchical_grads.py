@@ -89,7 +89,7 @@ class HierarchicalGrads(Pass):
         return reason if isinstance(reason, str) else None
 
     def _plan(self, program: TrainProgram, ctx: PassContext):
-        from xlaopt.compile import batch_axes
+        from xlaopt.sharding import batch_axes
 
         if program.shardings is None:
             return "needs a layout (run mesh-layout first)"
@@ -114,7 +114,7 @@ class HierarchicalGrads(Pass):
         return groups
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
-        from xlaopt.compile import batch_axes
+        from xlaopt.sharding import batch_axes
         from xlaopt.step import batch_spec
 
         groups = self._plan(program, ctx)

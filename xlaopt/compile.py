@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import math
 
 import jax
 import numpy as np
@@ -31,7 +30,7 @@ from xlaopt.mesh import make_mesh
 from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, manual_axes, rows_split_over
 from xlaopt.program import TrainProgram
-from xlaopt.sharding import logical_to_spec, mesh_axes_of
+from xlaopt.sharding import batch_axes, logical_to_spec
 from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn
 
 # Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
@@ -217,26 +216,6 @@ def _tracing_context(program: TrainProgram, mesh):
             stack.enter_context(activation_constraint(constrain))
         stack.enter_context(rows_split_over(batch_axes(program)))
         yield
-
-
-def batch_axes(program: TrainProgram) -> tuple[str, ...]:
-    """The mesh axes the program's layout splits the batch's rows over (none before a layout)."""
-    if program.shardings is None:
-        return ()
-    return mesh_axes_of("batch", program.settings.batch.batch_size, program.rules, program.mesh, "the batch")
-
-
-# Attentions whose work follows each row's samples: rows are balanced over the devices for them.
-_ROW_COST_ATTENTION = ("segment", "cudnn")
-
-
-def row_groups(program: TrainProgram) -> int:
-    """How many contiguous groups of a batch's rows run on different devices one after another
-    (each micro-batch's share of each batch shard), for the loader to balance their attention
-    work; 1 where every row costs the same (dense attention)."""
-    if program.execution.attention not in _ROW_COST_ATTENTION:
-        return 1
-    return program.execution.micro_batches * math.prod(program.mesh.size(a) for a in batch_axes(program))
 
 
 def _check_transforms_run(program: TrainProgram, mesh) -> None:

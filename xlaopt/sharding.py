@@ -3,6 +3,10 @@
 Rules are ordered (logical axis, mesh axes) pairs; for each array dimension the first
 rule naming its logical axis whose mesh axes are not already used by that array wins.
 Mesh axes of size 1 are dropped, so specs only name axes that actually split data.
+
+A program's questions about its layout are answered here too, so the passes and the loader ask
+the rule table rather than the compiler: which mesh axes split its rows, and how many groups of
+rows run on different devices.
 """
 from __future__ import annotations
 
@@ -83,3 +87,23 @@ def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec,
     spec = logical_to_spec((logical,), (size,), rules, mesh, what)
     entry = spec[0] if len(spec) else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_axes(program) -> tuple[str, ...]:
+    """The mesh axes the program's layout splits the batch's rows over (none before a layout)."""
+    if program.shardings is None:
+        return ()
+    return mesh_axes_of("batch", program.settings.batch.batch_size, program.rules, program.mesh, "the batch")
+
+
+# Attentions whose work follows each row's samples: rows are balanced over the devices for them.
+_ROW_COST_ATTENTION = ("segment", "cudnn")
+
+
+def row_groups(program) -> int:
+    """How many contiguous groups of a batch's rows run on different devices one after another
+    (each micro-batch's share of each batch shard), for the loader to balance their attention
+    work; 1 where every row costs the same (dense attention)."""
+    if program.execution.attention not in _ROW_COST_ATTENTION:
+        return 1
+    return program.execution.micro_batches * math.prod(program.mesh.size(a) for a in batch_axes(program))

@@ -72,7 +72,7 @@ def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, 
     rows of each micro-batch split contiguously over the batch's mesh axes (devices along the
     other axes repeat their shard's rows); averaged over micro-batches, as one count prices every
     run of the loop."""
-    from xlaopt.compile import batch_axes
+    from xlaopt.sharding import batch_axes
 
     ways = math.prod(program.mesh.size(a) for a in batch_axes(program))
     per_micro = per_row.reshape(program.execution.micro_batches, -1)

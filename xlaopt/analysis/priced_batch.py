@@ -54,10 +54,10 @@ def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, in
 def packed_batch(program: TrainProgram, shapes: np.ndarray, source: str, skip_oversize: bool = False) -> PricedBatch:
     """The first global batch the loader packs from samples of these shapes (int [n, 4]: modality,
     n_text, n_gen, n_clean), laid out for the program's rows."""
-    from xlaopt.compile import row_groups
     from xlaopt.data.plan import plan_batch
     from xlaopt.errors import UserError
     from xlaopt.families import family_of
+    from xlaopt.sharding import row_groups
 
     if not family_of(program.model).packs_samples:
         raise UserError(f"{source}: sample mixes and stores hold Cosmos 3 samples; {program.model.name} is priced "

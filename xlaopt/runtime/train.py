@@ -14,7 +14,7 @@ import numpy as np
 
 from xlaopt.analysis.hardware import mesh_peak
 from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention
-from xlaopt.compile import compile_program, row_groups
+from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
@@ -24,6 +24,7 @@ from xlaopt.program import TrainProgram
 from xlaopt.runtime import distributed, goodput
 from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S, PeerLost, PeerWatch, RunFailed, StopSignal
 from xlaopt.runtime.progress import ProgressBar
+from xlaopt.sharding import row_groups
 from xlaopt.step import param_count
 
 
