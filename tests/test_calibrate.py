@@ -187,7 +187,7 @@ def test_published_rows_are_priced_with_their_own_schedule_columns():
 LLAMA8B = analytic.DecoderShape(layers=32, d_model=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 
 
-def _step(recompute: str, layout: analytic.Layout, topology: str = "h100:1x8", eff: cm.Efficiency = cm.FITTED,
+def _step(recompute: str, layout: analytic.Parallelism, topology: str = "h100:1x8", eff: cm.Efficiency = cm.FITTED,
           **software):
     return analytic.price_step(LLAMA8B, layout, parse_topology(topology), analytic.Software(
         recompute=recompute, **software), eff)
@@ -195,7 +195,7 @@ def _step(recompute: str, layout: analytic.Layout, topology: str = "h100:1x8", e
 
 def test_megatron_selective_recompute_costs_one_attention_forward_per_layer():
     # Tensor parallel with sequence parallelism, as Megatron runs selective recomputation.
-    layout = analytic.Layout(dp=4, fsdp=0, tp=2, pp=1, cp=1, global_batch=32, seq_len=8192)
+    layout = analytic.Parallelism(dp=4, fsdp=0, tp=2, pp=1, cp=1, global_batch=32, seq_len=8192)
     steps = {policy: _step(policy, layout) for policy in analytic.Software.RECOMPUTE}
     prices = {policy: b.step_time_s for policy, b in steps.items()}
     assert prices["none"] < prices["selective-megatron"] < prices["full"]
@@ -216,7 +216,7 @@ def test_megatron_selective_recompute_costs_one_attention_forward_per_layer():
 
 def test_a_recomputed_attention_runs_its_context_parallel_ring_again():
     # cp ranks one per node over a crawling network, so the ring is longer than the attention.
-    layout = analytic.Layout(dp=1, fsdp=0, tp=8, pp=1, cp=2, global_batch=2, seq_len=8192)
+    layout = analytic.Parallelism(dp=1, fsdp=0, tp=8, pp=1, cp=2, global_batch=2, seq_len=8192)
     slow = cm.Efficiency(**{**dataclasses.asdict(cm.FITTED), "network": 0.001})
     cp = {p: _step(p, layout, "h100:2x8", slow).cp_exposed_s for p in ("none", "minimal", "selective-megatron")}
     assert cp["none"] > 0 and cp["minimal"] == cp["none"]  # minimal keeps the attention

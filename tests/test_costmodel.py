@@ -5,7 +5,7 @@ import math
 import pytest
 
 from xlaopt.analysis import analytic, costmodel as cm
-from xlaopt.analysis.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
 from xlaopt.analysis.topology import parse_topology
 
 EFF = cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3, nvlink=0.5,
@@ -105,7 +105,7 @@ def test_decoder_shape_counts_the_flops_of_the_decoder_model():
 
 def test_pipeline_bubble_is_pp_minus_1_over_v_stage_times():
     t = parse_topology("h100:8x8")
-    layout = Layout(dp=2, fsdp=0, tp=4, pp=8, cp=1, global_batch=64, seq_len=4096, micro_batch=1, virtual_stages=2)
+    layout = Parallelism(dp=2, fsdp=0, tp=4, pp=8, cp=1, global_batch=64, seq_len=4096, micro_batch=1, virtual_stages=2)
     b = price_step(LLAMA8B, layout, t, Software(), cm.FITTED)
     m = layout.micro_batches
     assert m == 32
@@ -115,7 +115,7 @@ def test_pipeline_bubble_is_pp_minus_1_over_v_stage_times():
 
 
 def test_fsdp_communication_hides_behind_compute_until_the_network_is_too_slow():
-    layout = Layout(dp=1, fsdp=8, tp=1, pp=1, cp=1, global_batch=16, seq_len=8192, micro_batch=2)
+    layout = Parallelism(dp=1, fsdp=8, tp=1, pp=1, cp=1, global_batch=16, seq_len=8192, micro_batch=2)
     one_node = price_step(LLAMA8B, layout, parse_topology("h100:1x8"), Software(), cm.FITTED)
     # The same 8 ranks one per node, on a network 1000x slower than InfiniBand: mostly exposed.
     slow = cm.Efficiency(**{**vars(cm.FITTED), "network": 0.001})
@@ -144,8 +144,8 @@ def _fsdp_as_before(shape, layout, topology, software, eff):
 
 
 @pytest.mark.parametrize("topology, layout", [
-    ("h100:16x8", Layout(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)),
-    ("h100:4x8", Layout(dp=1, fsdp=8, tp=2, pp=1, cp=2, global_batch=32, seq_len=8192, micro_batch=2)),
+    ("h100:16x8", Parallelism(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)),
+    ("h100:4x8", Parallelism(dp=1, fsdp=8, tp=2, pp=1, cp=2, global_batch=32, seq_len=8192, micro_batch=2)),
 ])
 def test_pure_fsdp_is_priced_as_before_hsdp(topology, layout):
     t = parse_topology(topology)
@@ -160,7 +160,7 @@ def test_pure_fsdp_is_priced_as_before_hsdp(topology, layout):
 
 def test_hsdp_gathers_on_nvlink_and_all_reduces_only_the_shard_across_nodes():
     t = parse_topology("h100:16x8")
-    fsdp = Layout(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)
+    fsdp = Parallelism(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)
     hsdp = dataclasses.replace(fsdp, dp=16, fsdp=8)  # a shard group per node, 16 replicas
     software = Software()
     b_fsdp = price_step(LLAMA8B, fsdp, t, software, cm.FITTED)
@@ -188,7 +188,7 @@ def test_hsdp_gathers_on_nvlink_and_all_reduces_only_the_shard_across_nodes():
 def test_hsdp_replicas_inside_a_node_reduce_on_nvlink():
     # 2 replicas of a 4-rank shard group on one 8-GPU node: nothing crosses the network, so a
     # network 1000x slower changes nothing.
-    layout = Layout(dp=2, fsdp=4, tp=1, pp=1, cp=1, global_batch=16, seq_len=1024)
+    layout = Parallelism(dp=2, fsdp=4, tp=1, pp=1, cp=1, global_batch=16, seq_len=1024)
     t = parse_topology("h100:1x8")
     slow_network = cm.Efficiency(**{**vars(cm.FITTED), "network": 0.001})
     software = Software(dp_overlap=False)

@@ -9,7 +9,7 @@ import tensorstore as ts
 
 from xlaopt.benchmarks.data_io import format_io_table, run_io
 from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
-from xlaopt.data.loader import RESOLUTION_SHIFT, Loader, LoaderState, Planner
+from xlaopt.data.loader import RESOLUTION_SHIFT, BatchPacker, Loader, LoaderState
 from xlaopt.data.packing import fill_row, logit_normal_sigma
 from xlaopt.data.shard_reader import ShardError, ShardReader
 from xlaopt.data.store import SampleStore, StoreError, StoreWriter
@@ -183,7 +183,7 @@ def _expected_batches(store_dir, config, shape, count):
     """What the loader must deliver: its planner's rows packed the plain way (tensorstore reads,
     latents copied into a zeroed batch)."""
     plain = SampleStore(store_dir, direct=False)
-    planner, state, batches = Planner(plain.lengths(), shape, 0), LoaderState(), []
+    planner, state, batches = BatchPacker(plain.lengths(), shape, 0), LoaderState(), []
     for _ in range(count):
         rows, state = planner.plan(state)
         out = {k: np.zeros(s, d) for k, (s, d, _) in cosmos3_batch_spec(config, shape).items()}
@@ -222,7 +222,7 @@ def test_loader_delivers_the_good_batches_before_a_damaged_clip(video_store, tin
     reads ran alongside, arrive intact."""
     lengths = SampleStore(video_store, direct=False).lengths()
     shape = BatchShape(1, int(lengths[:, 0].max()), int(lengths[:, 1].max()))
-    planner, state, order = Planner(lengths, shape, 0), LoaderState(), []
+    planner, state, order = BatchPacker(lengths, shape, 0), LoaderState(), []
     for _ in range(len(lengths)):
         rows, state = planner.plan(state)
         order.append(rows[0])

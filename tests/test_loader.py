@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xlaopt.data.batch import BatchShape
-from xlaopt.data.loader import Loader, LoaderError, LoaderState, Planner, best_fill, split_budget
+from xlaopt.data.loader import BatchPacker, Loader, LoaderError, LoaderState, best_fill, split_budget
 from xlaopt.data.store import SampleStore, StoreWriter
 from xlaopt.data.synthetic_cosmos import CosmosSamples
 
@@ -33,7 +33,7 @@ def _plans(planner, state, n):
 def test_no_sample_lost_or_repeated_and_rows_within_budget(store):
     """Placed samples plus those still waiting are exactly the stream consumed so far."""
     lengths = store.lengths()
-    planner = Planner(lengths, SHAPE, seed=0)
+    planner = BatchPacker(lengths, SHAPE, seed=0)
     state, placed = LoaderState(), []
     while state.epoch < 2:
         rows, state = planner.plan(state)
@@ -51,7 +51,7 @@ def test_padding_within_3_percent_on_the_synthetic_mix(tiny_config):
     gen, rng = CosmosSamples(tiny_config, 0), np.random.default_rng(4)
     lengths = np.array([(s.n_text, s.n_gen) for s in (gen.draw(rng) for _ in range(4000))], np.int64)
     shape = BatchShape(8, *split_budget(144, *lengths.mean(axis=0)))
-    planner, state, real, batches = Planner(lengths, shape, seed=0), LoaderState(), 0, 0
+    planner, state, real, batches = BatchPacker(lengths, shape, seed=0), LoaderState(), 0, 0
     while state.epoch < 1:
         rows, state = planner.plan(state)
         real, batches = real + sum(int(lengths[row].sum()) for row in rows), batches + 1
@@ -60,7 +60,7 @@ def test_padding_within_3_percent_on_the_synthetic_mix(tiny_config):
 
 def test_the_head_of_the_waiting_line_goes_next(store):
     """So no sample waits forever: the oldest waiting sample is in the very next batch."""
-    planner, state = Planner(store.lengths(), SHAPE, seed=1), LoaderState()
+    planner, state = BatchPacker(store.lengths(), SHAPE, seed=1), LoaderState()
     for _ in range(60):
         head = state.waiting[:1]
         rows, state = planner.plan(state)
@@ -121,8 +121,8 @@ def test_two_processes_then_one(store, tiny_config):
 def test_oversize_samples_error_or_counted_skip(store, tiny_config):
     small = dataclasses.replace(SHAPE, gen_len=20)
     with pytest.raises(LoaderError, match="more than a row holds"):
-        Planner(store.lengths(), small, seed=0)
-    planner = Planner(store.lengths(), small, seed=0, skip_oversize=True)
+        BatchPacker(store.lengths(), small, seed=0)
+    planner = BatchPacker(store.lengths(), small, seed=0, skip_oversize=True)
     _, state = _plans(planner, LoaderState(), 5)
     assert state.skipped > 0
 
@@ -178,11 +178,11 @@ def test_rows_balanced_over_groups_for_attention_work():
     rng = np.random.default_rng(0)
     lengths = np.stack([rng.integers(1, 12, 400), rng.integers(0, 60, 400)], axis=1)
     shape = BatchShape(8, 24, 96)
-    plain, _ = Planner(lengths, shape, seed=0).plan(LoaderState())
-    balanced, state = Planner(lengths, shape, seed=0, balance_groups=4).plan(LoaderState())
+    plain, _ = BatchPacker(lengths, shape, seed=0).plan(LoaderState())
+    balanced, state = BatchPacker(lengths, shape, seed=0, balance_groups=4).plan(LoaderState())
     assert sorted(map(tuple, balanced)) == sorted(map(tuple, plain))
-    assert state == Planner(lengths, shape, seed=0).plan(LoaderState())[1]
+    assert state == BatchPacker(lengths, shape, seed=0).plan(LoaderState())[1]
     work = lambda rows: [sum(attention_pairs(lengths[r]) for r in rows[k:k + 2]) for k in range(0, 8, 2)]
     assert max(work(balanced)) <= max(work(plain))
     with pytest.raises(LoaderError, match="3 row groups"):
-        Planner(lengths, shape, seed=0, balance_groups=3)
+        BatchPacker(lengths, shape, seed=0, balance_groups=3)

@@ -8,7 +8,7 @@ import pytest
 
 from xlaopt.analysis import costmodel
 from xlaopt.analysis.schedule import CollectiveInfo, Op, Schedule
-from xlaopt.analysis.simulate import collective_time_s, copy_time_s, mfu, simulate, to_perfetto
+from xlaopt.analysis.simulate import copy_time_s, hlo_collective_time_s, mfu, simulate, to_perfetto
 from xlaopt.analysis.topology import Device, LinkLevel, Topology
 
 # 1 TFLOP/s, 1 TB/s HBM, links of 100 GB/s with no latency, every efficiency 1: round numbers.
@@ -75,7 +75,7 @@ def test_comm_stream_serialises_collectives():
 def test_group_across_nodes_priced_hierarchically_on_its_axis():
     info = CollectiveInfo("all-reduce", 10**9, 10**9, ((0, 2),))  # devices 0 and 2: two nodes
     expected = costmodel.collective_time_s("all-reduce", 1e9, costmodel.GroupSpan(1, 2), TOPO, EFF)
-    assert collective_time_s(info, TOPO, EFF) == pytest.approx(expected)
+    assert hlo_collective_time_s(info, TOPO, EFF) == pytest.approx(expected)
     assert expected == pytest.approx(min(2 * 0.5 * 1e9 / 10e9, 2 * 1e9 / 10e9))  # ring on the slow level
     r = run([Op("ar", "all-reduce", "collective", "main", 0, collective=info)])
     assert r.exposed_by_axis == {"data": pytest.approx(expected)}
@@ -85,9 +85,9 @@ def test_group_across_nodes_priced_hierarchically_on_its_axis():
 def test_cpu_fixups_price_narrow_bytes_and_sliced_all_reduce_as_reduce_scatter():
     info = CollectiveInfo("all-reduce", 4 * 10**8, 2 * 10**8, ((0, 1),), scattered_fraction=1.0)
     span = costmodel.GroupSpan(2, 1)
-    assert collective_time_s(info, TOPO, EFF) == pytest.approx(
+    assert hlo_collective_time_s(info, TOPO, EFF) == pytest.approx(
         costmodel.collective_time_s("all-reduce", 4e8, span, TOPO, EFF))
-    assert collective_time_s(info, TOPO, EFF, cpu_fixups=True) == pytest.approx(
+    assert hlo_collective_time_s(info, TOPO, EFF, cpu_fixups=True) == pytest.approx(
         costmodel.collective_time_s("reduce-scatter", 2e8, span, TOPO, EFF))
 
 
@@ -103,9 +103,9 @@ def test_collective_permute_is_priced_per_pair_over_the_link_between_its_devices
     inside = p2p("cp", "collective", 10**8, [(0, 1), (1, 0)])
     across = p2p("cp", "collective", 10**8, [(0, 2), (2, 0)])
     mixed = p2p("cp", "collective", 10**8, [(0, 1), (1, 2)])  # 1 -> 2 leaves node 0: the slowest pair
-    assert collective_time_s(inside.collective, TOPO, EFF) == pytest.approx(1e-3)
-    assert collective_time_s(across.collective, TOPO, EFF) == pytest.approx(10e-3)
-    assert collective_time_s(mixed.collective, TOPO, EFF) == pytest.approx(10e-3)
+    assert hlo_collective_time_s(inside.collective, TOPO, EFF) == pytest.approx(1e-3)
+    assert hlo_collective_time_s(across.collective, TOPO, EFF) == pytest.approx(10e-3)
+    assert hlo_collective_time_s(mixed.collective, TOPO, EFF) == pytest.approx(10e-3)
     r = run([p2p("cps", "collective-start", 10**8, [(0, 1), (1, 0)], "collective-permute-start"),
              compute("a", 0.5), done("cpd", "cps"), compute("b", 1)])
     assert r.step_time_s == pytest.approx(2e-3)  # 1 ms permute behind 0.5 ms of compute, then b
@@ -115,11 +115,11 @@ def test_collective_permute_is_priced_per_pair_over_the_link_between_its_devices
 def test_all_to_all_sends_n_minus_1_over_n_of_each_buffer():
     # 4 devices on 2 nodes: (n-1)/n * V over the slow link; 2 inside a node: 1/2 * V over the fast one
     wide = CollectiveInfo("all-to-all", 4 * 10**7, 4 * 10**7, ((0, 1, 2, 3),))
-    assert collective_time_s(wide, TOPO, EFF) == pytest.approx(3 / 4 * 4e7 / 10e9)  # 3 ms
+    assert hlo_collective_time_s(wide, TOPO, EFF) == pytest.approx(3 / 4 * 4e7 / 10e9)  # 3 ms
     narrow = CollectiveInfo("all-to-all", 2 * 10**8, 2 * 10**8, ((0, 1),))
-    assert collective_time_s(narrow, TOPO, EFF) == pytest.approx(1 / 2 * 2e8 / 100e9)  # 1 ms
+    assert hlo_collective_time_s(narrow, TOPO, EFF) == pytest.approx(1 / 2 * 2e8 / 100e9)  # 1 ms
     latency = Topology("toy", TOPO.device, 2, 2, (LinkLevel("fast", 100e9, 1e-6), LinkLevel("slow", 10e9, 5e-6)))
-    assert collective_time_s(wide, latency, EFF) == pytest.approx(3 * 5e-6 + 3e-3)  # a latency per peer
+    assert hlo_collective_time_s(wide, latency, EFF) == pytest.approx(3 * 5e-6 + 3e-3)  # a latency per peer
     r = run([Op("a2a", "all-to-all", "collective", "main", 0, collective=wide), compute("a", 1)])
     assert r.step_time_s == pytest.approx(4e-3) and r.exposed_by_axis == {"data,fsdp": pytest.approx(3e-3)}
 
@@ -129,7 +129,7 @@ def test_send_and_recv_are_point_to_point_and_overlap_on_full_duplex_links():
     send, recv = p2p("s", "send", 10**8, [(0, 1)]), p2p("r", "recv", 10**8, [(1, 0)])
     send_done = Op("sd", "send-done", "send-done", "main", 0, operands=("s",))
     recv_done = Op("rd", "recv-done", "recv-done", "main", 0, operands=("r",))
-    assert collective_time_s(send.collective, TOPO, EFF) == pytest.approx(1e-3)
+    assert hlo_collective_time_s(send.collective, TOPO, EFF) == pytest.approx(1e-3)
     # a send and a recv issued together use opposite directions: 1 ms, not 2
     r = run([recv, send, compute("a", 0.25), recv_done, send_done, compute("b", 1)])
     assert r.step_time_s == pytest.approx(2e-3)

@@ -134,7 +134,7 @@ class DecoderShape:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Parallelism:
     """Parallel degrees and batch split of a run. `fsdp` > 1 shards parameters per layer over
     `fsdp` ranks; `dp` is data parallel with replicated parameters. Both > 1 is HSDP: parameters
     sharded within each group of `fsdp` ranks, replicated over `dp` such groups."""
@@ -249,7 +249,7 @@ class _Layer:
     act_bytes: float  # one activation (tokens x d_model, bf16)
 
 
-def _layer(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+def _layer(shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
            eff: cm.Efficiency) -> _Layer:
     """Forward and backward compute of one layer for one micro-batch."""
     dev = topology.device
@@ -278,7 +278,7 @@ def _layer(shape: DecoderShape, layout: Layout, topology: Topology, software: So
     return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, r_att, tokens * shape.d_model * _BF16_BYTES)
 
 
-def _tp_exposed(layer: _Layer, layout: Layout, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+def _tp_exposed(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """Tensor-parallel collectives of one layer and micro-batch left exposed."""
     tp_span = cm.group_span(layout.tp, 1, topology.devices_per_node)
     # A pair is the AG + RS (sequence parallel) or the all-reduce (not) around one of the two
@@ -295,7 +295,7 @@ def _tp_exposed(layer: _Layer, layout: Layout, topology: Topology, software: Sof
     return tp_fwd + tp_bwd
 
 
-def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, eff: cm.Efficiency) -> float:
+def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, eff: cm.Efficiency) -> float:
     """The context-parallel K/V ring of one layer and micro-batch, behind its attention."""
     tp, cp = layout.tp, layout.cp
     cp_span = cm.group_span(cp, tp, topology.devices_per_node)
@@ -306,7 +306,7 @@ def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: To
             + cm.exposed_s(2 * cp_send, 2 * layer.att_s))
 
 
-def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
                   eff: cm.Efficiency) -> tuple[float, float]:
     """FSDP per layer and micro-batch: (exposed gather + scatter time, the first layer's gather,
     which cannot be prefetched)."""
@@ -321,7 +321,7 @@ def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Layout, topology: 
     return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s), ag
 
 
-def _head_s(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topology, eff: cm.Efficiency) -> float:
+def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, eff: cm.Efficiency) -> float:
     """The LM head and loss, forward and backward, on the last stage (every GPU without
     pipelining), in bf16."""
     dev = topology.device
@@ -331,7 +331,7 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Layout, topology: Topolo
         cm.memory_time_s(_LOSS_BYTES_PER_LOGIT * layer.tokens * shape.vocab / layout.tp, dev.hbm_bytes_per_s)
 
 
-def _pp_send_s(layer: _Layer, layout: Layout, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+def _pp_send_s(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """Pipeline sends: one activation forward and one gradient backward per micro-batch."""
     if layout.pp <= 1:
         return 0.0
@@ -341,7 +341,7 @@ def _pp_send_s(layer: _Layer, layout: Layout, topology: Topology, software: Soft
     return layout.micro_batches * 2 * cm.send_time_s(send_bytes, level, link_eff)
 
 
-def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Layout,
+def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Parallelism,
                 topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """Data-parallel gradient sync once per step (FSDP's runs per layer instead): a reduce-scatter
     and a parameter all-gather with a sharded optimizer, else one all-reduce; with HSDP, the
@@ -365,7 +365,7 @@ def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, l
     return cm.exposed_s(rs, one_mb_bwd) + cm.exposed_s(ag, one_mb_fwd)
 
 
-def _hsdp_replica_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Layout,
+def _hsdp_replica_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Parallelism,
                           topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """HSDP's hierarchical reduction: each rank all-reduces its gradient shard (1/shard of its
     parameters; the shard group reduce-scattered the rest away) with the same shard on the other
@@ -381,7 +381,7 @@ def _hsdp_replica_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu
     return cm.exposed_s(ar, layers_per_stage * layer.bwd_s / layout.virtual_stages)
 
 
-def _optimizer_s(params_per_gpu: float, layout: Layout, topology: Topology, software: Software) -> float:
+def _optimizer_s(params_per_gpu: float, layout: Parallelism, topology: Topology, software: Software) -> float:
     """AdamW over the parameters this GPU owns (its share when the optimizer state is sharded):
     FSDP and HSDP shard it over the shard group (HSDP replicates it over dp), a sharded optimizer
     without FSDP over every data rank."""
@@ -394,7 +394,7 @@ def _optimizer_s(params_per_gpu: float, layout: Layout, topology: Topology, soft
     return cm.memory_time_s(_ADAMW_BYTES_PER_PARAM * params_per_gpu / shards, topology.device.hbm_bytes_per_s)
 
 
-def price_step(shape: DecoderShape, layout: Layout, topology: Topology, software: Software,
+def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
                eff: cm.Efficiency) -> StepBreakdown:
     """Seconds of one optimizer step, by cause (see the module docstring for the model)."""
     # One layer, one micro-batch: compute, and the tensor, context and FSDP collectives left exposed.

@@ -34,7 +34,7 @@ import pathlib
 import numpy as np
 
 from xlaopt.analysis import costmodel as cm
-from xlaopt.analysis.analytic import DecoderShape, Layout, Software, price_step
+from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
 from xlaopt.analysis.topology import Topology, TopologyError, preset
 from xlaopt.errors import UserError
 
@@ -96,7 +96,7 @@ class Run:
     gpus_per_node: int
     model: str
     shape: DecoderShape | None  # None when the row cannot be modelled (see `unmodelled`)
-    layout: Layout
+    layout: Parallelism
     act_ckpt: str
     precision: str
     metric: str
@@ -156,7 +156,7 @@ def _parse_row(row: dict, line: int, path: pathlib.Path) -> Run:
             schedule[col] = default
             if col != "virtual_stages" or num("pp") > 1:  # interleaving means nothing without a pipeline
                 defaulted.append(col)
-    layout = Layout(dp=num("dp"), fsdp=num("fsdp"), tp=max(num("tp"), 1), pp=max(num("pp"), 1),
+    layout = Parallelism(dp=num("dp"), fsdp=num("fsdp"), tp=max(num("tp"), 1), pp=max(num("pp"), 1),
                     cp=max(num("cp"), 1), global_batch=num("global_batch"), seq_len=num("seq_len"), **schedule)
     model = row["model"].strip()
     shape, why = _shape(row, model, num)

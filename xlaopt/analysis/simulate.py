@@ -154,7 +154,7 @@ _PRICES = {"all-gather": _ring_or_tree, "reduce-scatter": _ring_or_tree, "all-re
 _POINT_TO_POINT = ("collective-permute", "send", "recv")
 
 
-def collective_time_s(info: CollectiveInfo, topology: Topology, eff: costmodel.Efficiency = costmodel.FITTED,
+def hlo_collective_time_s(info: CollectiveInfo, topology: Topology, eff: costmodel.Efficiency = costmodel.FITTED,
                       cpu_fixups: bool = False) -> float:
     """Time of one execution of a collective on `topology` (logical devices placed by its `placement`)."""
     volume = info.narrow_bytes if cpu_fixups else info.bytes
@@ -239,7 +239,7 @@ class _Run:
     def _collective_time(self, op: Op) -> float:
         if op.host_transfer:  # a send / recv between host and device: priced as a host copy
             return copy_time_s(dataclasses.replace(op, bytes=op.collective.bytes), self.topology)
-        return collective_time_s(op.collective, self.topology, self.eff, self.cpu_fixups)
+        return hlo_collective_time_s(op.collective, self.topology, self.eff, self.cpu_fixups)
 
     def _wait(self, name: str, end: float, axes: str) -> float:
         """Compute waits for something ending at `end`: the exposed time."""

@@ -58,7 +58,7 @@ import numpy as np
 
 from xlaopt.benchmarks.disk import drop_page_cache, probe_read_cold_MBps, read_files_cold_MBps
 from xlaopt.data.batch import BatchShape
-from xlaopt.data.loader import Loader, LoaderState, Planner
+from xlaopt.data.loader import BatchPacker, Loader, LoaderState
 from xlaopt.data.shard_reader import PIECE_BYTES, THREADS, ShardReader
 from xlaopt.data.store import SampleStore
 from xlaopt.data.synthetic_video import DEFAULT_CONFIG, DEFAULT_SAMPLES, TOKENS_720P, make_video_store
@@ -107,7 +107,7 @@ def files_read_cold_parallel_MBps(files: list[pathlib.Path], threads: int = THRE
 def planned_batches(store: SampleStore, shape: BatchShape, seed: int = 0) -> list[list[int]]:
     """The sample ids of the loader's batches (its planner, its row order, one process), from
     the first batch up to the last one before any sample would be read a second time."""
-    planner = Planner(store.lengths(), shape, seed)
+    planner = BatchPacker(store.lengths(), shape, seed)
     state, seen, batches = LoaderState(), set(), []
     while True:
         rows, state = planner.plan(state)

@@ -58,7 +58,7 @@ class LoaderState:
         return cls(**{**data, "waiting": tuple(data.get("waiting", ()))})
 
 
-class Planner:
+class BatchPacker:
     """Global batch plans from token counts alone; a pure function of (store, seed, state)."""
 
     def __init__(self, lengths: np.ndarray, shape: BatchShape, seed: int, skip_oversize: bool = False,
@@ -257,7 +257,7 @@ class Loader:
                 raise LoaderError(f"store {store.dir}: modality {modality} has width {width}, wider than "
                                   f"{config.name}'s generator input ({config.generator_in_dim})")
         self.store, self.config, self.shape, self.seed = store, config, shape, seed
-        self.planner = Planner(store.lengths(), shape, seed, skip_oversize, balance_groups)
+        self.packer = BatchPacker(store.lengths(), shape, seed, skip_oversize, balance_groups)
         if rows is None:
             share = shape.batch_size // process_count
             rows = range(process_index * share, (process_index + 1) * share)
@@ -296,7 +296,7 @@ class Loader:
                         return
                 t0 = time.perf_counter()
                 while len(inflight) <= self.read_ahead:
-                    rows, state = self.planner.plan(state)
+                    rows, state = self.packer.plan(state)
                     inflight.append(self._start(rows, state))
                 rows, batch_state, out, pending = inflight.popleft()
                 self._pack(out, rows, batch_state, pending.result())
@@ -317,7 +317,7 @@ class Loader:
         for local, row in enumerate(self._rows):
             g = 0
             for i in rows[row]:  # in the order `fill_row` packs them
-                n = int(self.planner.lengths[i, 1])
+                n = int(self.packer.lengths[i, 1])
                 ids.append(i)
                 into.append(out["gen_x0_BVC"][local, g:g + n] if n else None)
                 g += n

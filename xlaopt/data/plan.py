@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from xlaopt.data.batch import BatchShape
-from xlaopt.data.loader import LoaderState, Planner
+from xlaopt.data.loader import BatchPacker, LoaderState
 from xlaopt.errors import UserError
 
 # (n_text, n_gen, modality, n_clean) of one sample in a row
@@ -41,13 +41,13 @@ def plan_batch(lengths: np.ndarray, shape: BatchShape, seed: int = 0, state: Loa
                skip_oversize: bool = False, balance_groups: int = 1) -> PackedPlan:
     """The rows of the global batch the loader packs next (the first, without `state`) from
     `lengths`, int [samples, 4] columns (modality, n_text, n_gen, n_clean) as `Mix.lengths`
-    gives them. The budget checks and their messages are the loader's (`Planner`), and so is the
+    gives them. The budget checks and their messages are the loader's (`BatchPacker`), and so is the
     balancing of rows over `balance_groups` groups."""
     lengths = np.asarray(lengths)
     if lengths.ndim != 2 or lengths.shape[1] != 4 or not len(lengths):
         raise UserError(f"lengths of shape {lengths.shape}: need [samples >= 1, 4] columns (modality, n_text, "
                         f"n_gen, n_clean), e.g. from Mix.lengths")
-    planner = Planner(lengths[:, 1:3].astype(np.int64), shape, seed, skip_oversize, balance_groups)
+    planner = BatchPacker(lengths[:, 1:3].astype(np.int64), shape, seed, skip_oversize, balance_groups)
     ids, state = planner.plan(state or LoaderState())
     rows = tuple(tuple((int(lengths[i, 1]), int(lengths[i, 2]), int(lengths[i, 0]), int(lengths[i, 3])) for i in row)
                  for row in ids)

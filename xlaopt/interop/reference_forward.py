@@ -35,7 +35,7 @@ ARRAY_KWARGS = ("input_ids", "text_indexes", "position_ids", "vision_sequence_in
                 "action_sequence_indexes", "action_mse_loss_indexes", "action_timesteps")
 
 
-class SampleError(UserError):
+class ReferenceSampleError(UserError):
     """A reference-style sample xlaopt's packed row cannot hold, or an unreadable sample file."""
 
 
@@ -59,7 +59,7 @@ def load_sample(path) -> dict:
     try:
         data = dict(np.load(path, allow_pickle=False))
     except (OSError, ValueError) as e:
-        raise SampleError(f"{path}: not a sample .npz: {e}") from e
+        raise ReferenceSampleError(f"{path}: not a sample .npz: {e}") from e
     out: dict = {}
     for k in LIST_KWARGS:
         items = []
@@ -74,14 +74,14 @@ def load_sample(path) -> dict:
         if k in data:
             out[k] = data.pop(k)
     if data:
-        raise SampleError(f"{path}: unknown entries {sorted(data)} (expected the reference forward's "
+        raise ReferenceSampleError(f"{path}: unknown entries {sorted(data)} (expected the reference forward's "
                           f"keyword arguments: {', '.join(INT_KWARGS + ARRAY_KWARGS + LIST_KWARGS)})")
     missing = [k for k in ("input_ids", "text_indexes", "position_ids", "und_len", "sequence_length",
                            "vision_tokens", "vision_token_shapes", "vision_sequence_indexes",
                            "vision_mse_loss_indexes", "vision_timesteps", "vision_noisy_frame_indexes")
                if k not in out]
     if missing:
-        raise SampleError(f"{path}: missing required arguments {missing}")
+        raise ReferenceSampleError(f"{path}: missing required arguments {missing}")
     return out
 
 
@@ -199,14 +199,14 @@ def sample_to_batch(kw: dict, config: Cosmos3Config, settings: ReferenceSettings
     V = S - T
     P, C = c.latent_patch_dim, c.generator_in_dim
     if T < 1 or V < 1:
-        raise SampleError(f"und_len={T}, sequence_length={S}: need a text prefix and generator tokens")
+        raise ReferenceSampleError(f"und_len={T}, sequence_length={S}: need a text prefix and generator tokens")
     text_idx = np.asarray(kw["text_indexes"], np.int64)
     if sorted(text_idx.tolist()) != list(range(T)):
-        raise SampleError("text_indexes must cover exactly the causal prefix [0, und_len): xlaopt's reasoner "
+        raise ReferenceSampleError("text_indexes must cover exactly the causal prefix [0, und_len): xlaopt's reasoner "
                           "region holds text tokens only")
     pos = np.asarray(kw["position_ids"])
     if pos.shape != (3, S):
-        raise SampleError(f"position_ids has shape {pos.shape}; expected (3, {S})")
+        raise ReferenceSampleError(f"position_ids has shape {pos.shape}; expected (3, {S})")
     pos_dtype = np.float32 if np.issubdtype(pos.dtype, np.floating) else np.int32
     tokens = np.zeros((1, T), np.int32)
     tokens[0, text_idx] = np.asarray(kw["input_ids"])
@@ -224,10 +224,10 @@ def sample_to_batch(kw: dict, config: Cosmos3Config, settings: ReferenceSettings
     def place(name, modality, packed, seq_idx, noisy_frames, shapes, timesteps, domains=None):
         rows = np.asarray(seq_idx, np.int64) - T
         if len(rows) != len(packed) or (len(rows) and (rows.min() < 0 or rows.max() >= V)):
-            raise SampleError(f"{name}_sequence_indexes: {len(rows)} indexes for {len(packed)} tokens, all in "
+            raise ReferenceSampleError(f"{name}_sequence_indexes: {len(rows)} indexes for {len(packed)} tokens, all in "
                               f"[und_len, sequence_length) = [{T}, {S})")
         if used[rows].any() or len(set(rows.tolist())) != len(rows):
-            raise SampleError(f"{name}_sequence_indexes overlap another modality's or repeat")
+            raise ReferenceSampleError(f"{name}_sequence_indexes overlap another modality's or repeat")
         used[rows] = True
         x[0, rows, : packed.shape[1]] = packed
         batch["gen_modality_BV"][0, rows] = modality
@@ -237,30 +237,30 @@ def sample_to_batch(kw: dict, config: Cosmos3Config, settings: ReferenceSettings
             noisy = rows[_noisy_rows(noisy_frames, shapes)]
             t = np.asarray(timesteps, np.float32)
             if len(t) < len(noisy):
-                raise SampleError(f"{name}_timesteps: {len(t)} values for {len(noisy)} noisy tokens")
+                raise ReferenceSampleError(f"{name}_timesteps: {len(t)} values for {len(noisy)} noisy tokens")
             batch["gen_noisy_BV"][0, noisy] = True
             batch["gen_sigma_BV"][0, noisy] = t[: len(noisy)] * scale
 
     vision = np.concatenate([patchify(v, c.patch_size) for v in kw["vision_tokens"]])
     if vision.shape[1] != P:
-        raise SampleError(f"vision_tokens: {vision.shape[1]} channels per patch, the model takes {P}")
+        raise ReferenceSampleError(f"vision_tokens: {vision.shape[1]} channels per patch, the model takes {P}")
     place("vision", VIDEO, vision, kw["vision_sequence_indexes"], kw["vision_noisy_frame_indexes"],
           kw["vision_token_shapes"], kw["vision_timesteps"])
     if kw.get("sound_tokens") is not None and kw.get("sound_sequence_indexes") is not None:
         if not settings.sound_gen:
-            raise SampleError("the sample has sound but the model has no sound head (sound_gen=False)")
+            raise ReferenceSampleError("the sample has sound but the model has no sound head (sound_gen=False)")
         sound = np.concatenate([np.asarray(s)[:, : sh[0]].T for s, sh in zip(kw["sound_tokens"],
                                                                               kw["sound_token_shapes"])])
         place("sound", SOUND, sound, kw["sound_sequence_indexes"], kw["sound_noisy_frame_indexes"],
               kw["sound_token_shapes"], kw["sound_timesteps"])
     if kw.get("action_tokens") is not None and kw.get("action_sequence_indexes") is not None:
         if not settings.action_gen:
-            raise SampleError("the sample has actions but the model has no action heads (action_gen=False)")
+            raise ReferenceSampleError("the sample has actions but the model has no action heads (action_gen=False)")
         shapes = kw["action_token_shapes"]
         action = np.concatenate([np.asarray(a)[: sh[0]] for a, sh in zip(kw["action_tokens"], shapes)])
         domains = np.concatenate([np.full(sh[0], int(d)) for d, sh in zip(kw["action_domain_ids"], shapes)])
         if domains.size and (domains.min() < 0 or domains.max() >= c.num_action_domains):
-            raise SampleError(f"action_domain_ids must be in [0, {c.num_action_domains})")
+            raise ReferenceSampleError(f"action_domain_ids must be in [0, {c.num_action_domains})")
         timesteps = kw["action_timesteps"] if len(kw["action_mse_loss_indexes"]) else None
         place("action", ACTION, action, kw["action_sequence_indexes"], kw["action_noisy_frame_indexes"],
               shapes, timesteps, domains)
@@ -270,7 +270,7 @@ def sample_to_batch(kw: dict, config: Cosmos3Config, settings: ReferenceSettings
 def _unpack_rows(kw, name, T, V):
     rows = np.asarray(kw[f"{name}_mse_loss_indexes"], np.int64) - T
     if len(rows) and (rows.min() < 0 or rows.max() >= V):
-        raise SampleError(f"{name}_mse_loss_indexes must lie in the generator tokens [{T}, {T + V})")
+        raise ReferenceSampleError(f"{name}_mse_loss_indexes must lie in the generator tokens [{T}, {T + V})")
     return rows
 
 

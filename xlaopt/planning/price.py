@@ -49,9 +49,9 @@ def software(candidate: Candidate, target: str) -> analytic.Software:
                              param_gather_bytes=4, grad_reduce_bytes=4)
 
 
-def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Layout:
+def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Parallelism:
     rows_per_micro_batch = batch.batch_size // (candidate.data * candidate.micro_batches)
-    return analytic.Layout(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=1, cp=candidate.cp,
+    return analytic.Parallelism(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=1, cp=candidate.cp,
                            global_batch=batch.batch_size, seq_len=batch.text_len + batch.gen_len,
                            micro_batch=max(rows_per_micro_batch, 1))
 
