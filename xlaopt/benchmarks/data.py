@@ -333,14 +333,7 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
                             _loader_alone(feed, read_batches, budget, store.widths)["MBps"])
                 finally:
                     feed.close()
-            progress(f"round {r + 1}/{repeats}: step {latency * 1e3:.0f} ms; "
-                     + "; ".join(f"{n} {rounds[n][-1]['tokens_per_s']:.0f} tok/s, pad "
-                                 f"{100 * rounds[n][-1]['padding_fraction']:.1f}%, wait "
-                                 f"{100 * rounds[n][-1]['data_wait_fraction']:.1f}%" for n in CONTENDERS)
-                     + f"; disk cold {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s, loader read "
-                       f"{rounds['xlaopt_alone'][-1]['MBps']:.1f} MB/s cold / "
-                       f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm; alone "
-                       + ", ".join(f"{n} {rounds[n + '_alone'][-1]['tokens_per_s']:.0f} tok/s" for n in CONTENDERS))
+            progress(_round_line(rounds, r, repeats, latency))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -354,6 +347,24 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
               "loader_read_cold_MBps": med(r["MBps"] for r in rounds["xlaopt_alone"]),
               "loader_read_warm_MBps": med(rounds["loader_read_warm_MBps"]),
               "read_batches": read_batches, "rounds": rounds}
+    return _with_medians(result, rounds)
+
+
+def _round_line(rounds: dict, r: int, repeats: int, latency: float) -> str:
+    """One round's figures, as the progress line."""
+    return (f"round {r + 1}/{repeats}: step {latency * 1e3:.0f} ms; "
+            + "; ".join(f"{n} {rounds[n][-1]['tokens_per_s']:.0f} tok/s, pad "
+                        f"{100 * rounds[n][-1]['padding_fraction']:.1f}%, wait "
+                        f"{100 * rounds[n][-1]['data_wait_fraction']:.1f}%" for n in CONTENDERS)
+            + f"; disk cold {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s, loader read "
+              f"{rounds['xlaopt_alone'][-1]['MBps']:.1f} MB/s cold / "
+              f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm; alone "
+              + ", ".join(f"{n} {rounds[n + '_alone'][-1]['tokens_per_s']:.0f} tok/s" for n in CONTENDERS))
+
+
+def _with_medians(result: dict, rounds: dict) -> dict:
+    """`result` with each contender's medians over the rounds, and the ratios the report leads with."""
+    med = statistics.median
     for name in CONTENDERS:
         result[name] = {k: med(r[k] for r in rounds[name]) for k in rounds[name][0]}
         alone = rounds[f"{name}_alone"]
