@@ -1,5 +1,6 @@
 """The package's shape: no import cycle between xlaopt's modules, lazy imports included; a
-small top level; checkpoint and data doing their file I/O through xlaopt.io, not each other.
+small top level; checkpoint and data doing their file I/O through xlaopt.io, not each other; no
+module over 500 lines and no function over 80 (issue 27).
 
 The import graph is read from the source with `ast` (no module is imported): every `import` and
 `from ... import` anywhere in a module, inside functions too, relative ones resolved. An edge goes
@@ -181,3 +182,30 @@ def test_analysis_never_imports_planning():
 def test_small_top_level():
     top = sorted(p.stem for p in (ROOT / "xlaopt").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules directly in xlaopt/ (at most {MAX_TOP_LEVEL}): {top}"
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def oversized(roots=tuple(PACKAGES)) -> list[str]:
+    """Modules over MAX_MODULE_LINES and functions (methods and nested ones too) over
+    MAX_FUNCTION_LINES, decorators and docstrings counted, under the source folders."""
+    found = []
+    for folder in roots:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text, rel = path.read_text(), path.relative_to(ROOT).as_posix()
+            if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+                found.append(f"{rel}: {lines} lines")
+            for node in ast.walk(ast.parse(text, rel)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    if (lines := node.end_lineno - first + 1) > MAX_FUNCTION_LINES:
+                        found.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    return found
+
+
+def test_no_module_over_500_lines_and_no_function_over_80():
+    found = oversized()
+    assert not found, (f"split along a seam (modules at most {MAX_MODULE_LINES} lines, functions at most "
+                       f"{MAX_FUNCTION_LINES}):\n" + "\n".join(found))

@@ -26,6 +26,14 @@ from xlaopt.models.stack import REMAT_POLICIES, STRATEGIES, StackSpec
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
 DTYPES = ("bfloat16", "float16", "float32")
 TARGETS = ("cpu", "gpu")
+# The attention each target runs fast: cuDNN's fused kernel is the only fast one on a GPU; on the
+# CPU, dense (the same pairs as any other, without a fused kernel to do better).
+TARGET_ATTENTION = {"cpu": "dense", "gpu": "cudnn"}
+
+
+def target_attention(target: str) -> str:
+    """The attention the planner runs on `target`, and what `analyze` reports against."""
+    return TARGET_ATTENTION[target]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import time
 from xlaopt.analysis.priced_batch import PricedBatch, synthetic_batch
 from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
-from xlaopt.execution import TARGETS
+from xlaopt.execution import TARGETS, target_attention
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MESH_AXES
 from xlaopt.program import TrainProgram
 
@@ -78,16 +78,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
 
-    target = program.target if target is None else target
-    if target not in TARGETS:
-        raise UserError(f"--target {target!r}; use one of {', '.join(TARGETS)}")
-    if target != program.target:
-        program = program.replace(target=target)  # its compiler options are checked against the new target
-    check_fits(program, topology)
-    if batch is None:
-        batch = synthetic_batch(program)
-    if batch.shape != program.settings.batch:
-        raise UserError(f"the priced batch is {batch.shape} but the program's is {program.settings.batch}")
+    program, target, batch = _resolve(program, topology, target, batch)
     work = batch_work(program, batch.arrays)
     compiled, lower_s, compile_s = _compiled(program, topology, target)
     executable = compiled.train_step
@@ -113,36 +104,9 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     n = program.mesh.num_devices
     averaged = work.loop_trips or work.mean_custom_call_flops != work.custom_call_flops
     hlo_flops = n * (_mean_device_flops(text, work) if averaged else schedule.flops)
-    memory = executable.memory_analysis()
-    mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
-           "aliased": int(memory.alias_size_in_bytes), "temp": int(memory.temp_size_in_bytes)}
-    mem["peak_estimate"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temp"]
-
-    windows = {(w["computation"], w["start"]): w for w in schedule.async_windows()}
-    collectives = []
-    for c in sim.collectives:
-        w = windows.get((c["computation"], c["name"]))
-        if w is not None:
-            c = dict(c, ops_between=w["ops_between"], compute_ops_between=w["compute_ops_between"],
-                     flops_between=w["flops_between"])
-        collectives.append(c)
-    notes = []
-    if cpu:
-        notes.append("CPU schedule: XLA's CPU pipeline has no async collectives, so every collective is "
-                     "exposed; bounds.perfect_overlap_s is the step time if all of it were hidden")
-        notes.append(f"CPU artefacts undone when pricing: matmuls at the {dtype} peak, collectives at their "
-                     f"pre-widening bytes, all-reduce + slice as reduce-scatter, f32->bf16->f32 fusions free")
-    notes += [f"XLA, compiling this step: {n}" for n in compiled.compiler_notes]
-    notes.append("one device simulated (SPMD); kernel launch overheads not modelled; compute priced by the "
-                 "roofline with costmodel.FITTED efficiencies")
-    if work.loop_trips:
-        busiest = max(work.loop_trips.values())
-        mean = max(work.mean_loop_trips.values())
-        notes.append(f"segment-aware attention's pair loops run as long as each device's rows need: the step is "
-                     f"priced on the busiest device ({busiest} trips per run of the longest loop, the average device "
-                     f"{mean:.0f}); HLO FLOPs count each device's own. Each trip is a few small kernels: on a GPU "
-                     f"they run at small-matmul efficiency plus launch overheads (not modelled), a fused kernel's "
-                     f"work done the slow way")
+    mem = _memory(executable)
+    collectives = _with_windows(sim.collectives, schedule)
+    notes = _notes(target, dtype, compiled.compiler_notes, work)
     result = {
         "model": program.model.name, "mesh": program.mesh.as_dict(), "devices": n,
         "topology": topology.name, "device": topology.device.name, "target": target,
@@ -150,7 +114,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
                   "gen_len": program.settings.batch.gen_len},
         "data": batch.source,
         "fill": work.fill,
-        "attention": {"impl": program.execution.attention, "block": program.execution.attention_block,
+        "attention": {"impl": program.execution.attention, "target_default": target_attention(target),
+                      "block": program.execution.attention_block,
                       "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
                       "pair_loop_trips_busiest_device": work.loop_trips,
                       "pair_loop_trips_mean_device": work.mean_loop_trips,
@@ -184,6 +149,65 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "notes": notes,
     }
     return result, sim
+
+
+def _resolve(program: TrainProgram, topology: Topology, target: str | None, batch: PricedBatch | None):
+    """(program for `target`, target, the batch priced), each checked against the others."""
+    target = program.target if target is None else target
+    if target not in TARGETS:
+        raise UserError(f"--target {target!r}; use one of {', '.join(TARGETS)}")
+    if target != program.target:
+        program = program.replace(target=target)  # its compiler options are checked against the new target
+    check_fits(program, topology)
+    if batch is None:
+        batch = synthetic_batch(program)
+    if batch.shape != program.settings.batch:
+        raise UserError(f"the priced batch is {batch.shape} but the program's is {program.settings.batch}")
+    return program, target, batch
+
+
+def _memory(executable) -> dict:
+    """XLA's memory analysis per device, and the peak it implies."""
+    memory = executable.memory_analysis()
+    mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),
+           "aliased": int(memory.alias_size_in_bytes), "temp": int(memory.temp_size_in_bytes)}
+    mem["peak_estimate"] = mem["arguments"] + mem["outputs"] - mem["aliased"] + mem["temp"]
+    return mem
+
+
+def _with_windows(collectives: list[dict], schedule) -> list[dict]:
+    """Each simulated collective with what the schedule placed between its start and done."""
+    windows = {(w["computation"], w["start"]): w for w in schedule.async_windows()}
+    out = []
+    for c in collectives:
+        w = windows.get((c["computation"], c["name"]))
+        if w is not None:
+            c = dict(c, ops_between=w["ops_between"], compute_ops_between=w["compute_ops_between"],
+                     flops_between=w["flops_between"])
+        out.append(c)
+    return out
+
+
+def _notes(target: str, dtype: str, compiler_notes, work) -> list[str]:
+    """What the price assumes, and what XLA said compiling the step."""
+    notes = []
+    if target == "cpu":
+        notes.append("CPU schedule: XLA's CPU pipeline has no async collectives, so every collective is "
+                     "exposed; bounds.perfect_overlap_s is the step time if all of it were hidden")
+        notes.append(f"CPU artefacts undone when pricing: matmuls at the {dtype} peak, collectives at their "
+                     f"pre-widening bytes, all-reduce + slice as reduce-scatter, f32->bf16->f32 fusions free")
+    notes += [f"XLA, compiling this step: {n}" for n in compiler_notes]
+    notes.append("one device simulated (SPMD); kernel launch overheads not modelled; compute priced by the "
+                 "roofline with costmodel.FITTED efficiencies")
+    if work.loop_trips:
+        busiest = max(work.loop_trips.values())
+        mean = max(work.mean_loop_trips.values())
+        notes.append(f"segment-aware attention's pair loops run as long as each device's rows need: the step is "
+                     f"priced on the busiest device ({busiest} trips per run of the longest loop, the average "
+                     f"device {mean:.0f}); HLO FLOPs count each device's own. Each trip is a few small kernels: on "
+                     f"a GPU they run at small-matmul efficiency plus launch overheads (not modelled), a fused "
+                     f"kernel's work done the slow way")
+    return notes
 
 
 GRAD_SYNC_KINDS = ("all-reduce", "reduce-scatter")
@@ -240,7 +264,7 @@ def format_analysis(result: dict) -> str:
         f"{result['hlo_matmul_flops_per_step']:.3e} (includes recomputation): "
         f"{_ratio(result['hlo_flops_over_model_flops'])} the model's",
         f"data: {result['data']}; fill {result['fill'] * 100:.1f}% of the slots; attention "
-        f"{result['attention']['impl']}: (query, key) pairs executed / needed "
+        f"{_attention_used(result)}: (query, key) pairs executed / needed "
         f"{_ratio(result['attention_pairs_executed_over_needed'])}",
         f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>12}{'exposed':>12}",
     ]
@@ -258,6 +282,13 @@ def format_analysis(result: dict) -> str:
                  + (f"; trace written to {result['trace']}" if result.get("trace") else ""))
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
+
+
+def _attention_used(result: dict) -> str:
+    a = result["attention"]
+    if a["impl"] == a["target_default"]:
+        return f"{a['impl']} (the {result['target']} target's default)"
+    return f"{a['impl']} (not the {result['target']} target's default, {a['target_default']})"
 
 
 def _ratio(x: float | None) -> str:

@@ -180,7 +180,8 @@ def compile_step(priced, attention: str = "kernel") -> CompiledStep | str:
     import jax
 
     from xlaopt.analysis.analyze import check_fits
-    from xlaopt.analysis.schedule import HloReader, build_schedule
+    from xlaopt.analysis.hlo_costs import HloReader
+    from xlaopt.analysis.schedule import build_schedule
     from xlaopt.compile import compile_program
     from xlaopt.data.batch import BatchShape
     from xlaopt.pipeline import pipeline, run_pipeline

@@ -201,6 +201,17 @@ def timeline_svg(events: Sequence[Event], step_time_s: float | None = None, widt
                       f'{esc(fmt_seconds(totals[stream]))}</text>')
         labels.append(f'<rect x="{label_width}" y="{lane_y[stream]}" width="{plot_w}" height="{lane_height}" '
                       f'fill="#f4f4f4"/>')
+    ticks, items, height = _axis_and_legend(span, px_per_s, label_width, plot_w, axis_y, colors)
+    title = (f"simulated step: {fmt_seconds(end)}; " + ", ".join(
+        f"{label} {fmt_seconds(totals[s])} ({counts[s]} events)" for s, label in LANES))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="xlaopt-timeline" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif" font-size="11">'
+            f'<title>{esc(title)}</title>{"".join(labels)}{"".join(parts)}{"".join(ticks)}{"".join(items)}</svg>')
+
+
+def _axis_and_legend(span: float, px_per_s: float, label_width: int, plot_w: int, axis_y: int,
+                     colors: dict[str, str]) -> tuple[list[str], list[str], int]:
+    """The time axis under the lanes, the colour legend under it, and the SVG's height."""
     step = _nice_step(span)
     ticks = [f'<line x1="{label_width}" y1="{axis_y}" x2="{label_width + plot_w}" y2="{axis_y}" stroke="#888"/>']
     for i in range(int(span / step) + 1):
@@ -216,12 +227,7 @@ def timeline_svg(events: Sequence[Event], step_time_s: float | None = None, widt
         items.append(f'<rect x="{x}" y="{legend_y - 10}" width="12" height="12" fill="{esc(color)}"/>'
                      f'<text x="{x + 16}" y="{legend_y}">{esc(text)}</text>')
         x += 24 + 7 * len(text)
-    height = legend_y + 10
-    title = (f"simulated step: {fmt_seconds(end)}; " + ", ".join(
-        f"{label} {fmt_seconds(totals[s])} ({counts[s]} events)" for s, label in LANES))
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="xlaopt-timeline" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif" font-size="11">'
-            f'<title>{esc(title)}</title>{"".join(labels)}{"".join(parts)}{"".join(ticks)}{"".join(items)}</svg>')
+    return ticks, items, legend_y + 10
 
 
 # --- the analysis -------------------------------------------------------------------------

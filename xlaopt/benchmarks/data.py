@@ -44,6 +44,7 @@ pass is CPU bound (the toy samples are ~1 KB; ~2 MB/s), nowhere near the disk's 
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import shutil
 import statistics
@@ -273,7 +274,6 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
         raise UserError(f"bench data compares against Grain: {missing}")
     if steps < 2 or repeats < 1:
         raise UserError(f"bench data: need steps >= 2 and repeats >= 1 (got {steps}, {repeats})")
-    from xlaopt.families import family_of
     from xlaopt.models.registry import get_config
 
     settings = SETTINGS if settings is None else settings
@@ -287,73 +287,119 @@ def run(store_dir: str | None = None, steps: int = 30, repeats: int = 3, progres
     try:
         store = SampleStore(store_dir)
         config = get_config(model, settings)
-        default = family_of(config).default_batch(config)
-        stats = store.manifest["stats"]
-        text, gen = row or split_budget(row_tokens or default.text_len + default.gen_len,
-                                        stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])
-        shape = BatchShape(batch_size or default.batch_size, text, gen)
-        progress(f"compiling {model} ({settings}) on {mesh}, rows of {text} text + {gen} generator tokens, "
-                 f"{shape.batch_size} rows")
+        shape = _batch_shape(store, config, row, row_tokens, batch_size)
+        progress(f"compiling {model} ({settings}) on {mesh}, rows of {shape.text_len} text + {shape.gen_len} "
+                 f"generator tokens, {shape.batch_size} rows")
         program, compiled = _compiled_program(shape, model, mesh, settings, seed)
         import jax
 
         key = jax.random.key(seed)
-        source = StoreSource(store_dir, config, seed)
+        feed_of = functools.partial(_feed, store_dir=store_dir, config=config, shape=shape,
+                                    source=StoreSource(store_dir, config, seed), seed=seed)
         first = _XlaoptFeed(store_dir, config, shape, seed + 1)
         fixed = next(first)  # the one batch the step-latency runs are fed
         first.close()
-        budget = shape.tokens
         rounds = {name: [] for name in CONTENDERS}
         rounds |= {"step_latency_s": [], "disk_read_cold_MBps": [], "loader_read_warm_MBps": []}
         rounds |= {f"{name}_alone": [] for name in CONTENDERS}
-        cache = ""
         for r in range(repeats):
             latency = _step_latency(compiled, key, fixed, max(3, steps // 4))
             rounds["step_latency_s"].append(latency)
             order = CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]
-            for name in order:
-                cache = drop_page_cache([store_dir])
-                feed = (_XlaoptFeed(store_dir, config, shape, seed) if name == "xlaopt"
-                        else _GrainFeed(source, shape, seed))
-                try:
-                    rounds[name].append(_train_round(compiled, key, feed, steps, latency, budget))
-                finally:
-                    feed.close()
+            cache = _train_contenders(rounds, order, feed_of, store_dir, compiled, key, steps, latency, shape.tokens)
             rounds["disk_read_cold_MBps"].append(probe_read_cold_MBps(store_dir, disk_probe_mb << 20))
-            for name in order:  # each loader alone, from a cold page cache
-                drop_page_cache([store_dir])
-                feed = (_XlaoptFeed(store_dir, config, shape, seed, read_ahead=True) if name == "xlaopt"
-                        else _GrainFeed(source, shape, seed))
-                try:
-                    rounds[f"{name}_alone"].append(_loader_alone(feed, read_batches, budget, store.widths))
-                    if name == "xlaopt":  # the same samples again, now in the page cache
-                        feed.close()
-                        feed = _XlaoptFeed(store_dir, config, shape, seed, read_ahead=True)
-                        rounds["loader_read_warm_MBps"].append(
-                            _loader_alone(feed, read_batches, budget, store.widths)["MBps"])
-                finally:
-                    feed.close()
-            progress(f"round {r + 1}/{repeats}: step {latency * 1e3:.0f} ms; "
-                     + "; ".join(f"{n} {rounds[n][-1]['tokens_per_s']:.0f} tok/s, pad "
-                                 f"{100 * rounds[n][-1]['padding_fraction']:.1f}%, wait "
-                                 f"{100 * rounds[n][-1]['data_wait_fraction']:.1f}%" for n in CONTENDERS)
-                     + f"; disk cold {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s, loader read "
-                       f"{rounds['xlaopt_alone'][-1]['MBps']:.1f} MB/s cold / "
-                       f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm; alone "
-                       + ", ".join(f"{n} {rounds[n + '_alone'][-1]['tokens_per_s']:.0f} tok/s" for n in CONTENDERS))
+            _loaders_alone(rounds, order, feed_of, store_dir, read_batches, shape.tokens, store.widths)
+            progress(_round_line(rounds, r, repeats, latency))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
+    head = {"model": model, "settings": settings, "mesh": mesh, "store": str(store_dir) if scratch is None else None,
+            "samples": len(store), "batch": {"batch_size": shape.batch_size, "text_len": shape.text_len,
+                                             "gen_len": shape.gen_len},
+            "tokens_per_step_budget": shape.tokens, "steps": steps, "repeats": repeats, "page_cache": cache}
+    return _result(head, rounds, read_batches)
+
+
+def _batch_shape(store: SampleStore, config, row: tuple[int, int] | None, row_tokens: int | None,
+                 batch_size: int | None) -> BatchShape:
+    """The batch both contenders fill: `row` (text, generator) when given, else the family's row
+    length (or `row_tokens`) split in the ratio of the store's mean text and generator lengths."""
+    from xlaopt.families import family_of
+
+    default = family_of(config).default_batch(config)
+    stats = store.manifest["stats"]
+    text, gen = row or split_budget(row_tokens or default.text_len + default.gen_len,
+                                    stats["text_tokens"]["mean"], stats["gen_tokens"]["mean"])
+    return BatchShape(batch_size or default.batch_size, text, gen)
+
+
+def _feed(name: str, *, store_dir, config, shape: BatchShape, source: StoreSource, seed: int,
+          read_ahead: bool = False):
+    """A fresh feed of contender `name` over the store."""
+    if name == "xlaopt":
+        return _XlaoptFeed(store_dir, config, shape, seed, read_ahead=read_ahead)
+    return _GrainFeed(source, shape, seed)
+
+
+def _train_contenders(rounds: dict, order, feed_of: Callable, store_dir, compiled, key, steps: int,
+                      latency: float, budget: int) -> str:
+    """One round's training measurement: each contender in `order`, from a cold page cache,
+    `steps` timed steps appended to `rounds[name]`. Returns how the page cache was dropped."""
+    cache = ""
+    for name in order:
+        cache = drop_page_cache([store_dir])
+        feed = feed_of(name)
+        try:
+            rounds[name].append(_train_round(compiled, key, feed, steps, latency, budget))
+        finally:
+            feed.close()
+    return cache
+
+
+def _loaders_alone(rounds: dict, order, feed_of: Callable, store_dir, read_batches: int, budget: int,
+                   widths) -> None:
+    """One round's measurement without training: each loader alone from a cold page cache
+    (`rounds[name + "_alone"]`), and the xlaopt loader again over the same samples, now in the
+    page cache (`rounds["loader_read_warm_MBps"]`)."""
+    for name in order:
+        drop_page_cache([store_dir])
+        feed = feed_of(name, read_ahead=True)
+        try:
+            rounds[f"{name}_alone"].append(_loader_alone(feed, read_batches, budget, widths))
+            if name == "xlaopt":  # the same samples again, now in the page cache
+                feed.close()
+                feed = feed_of(name, read_ahead=True)
+                rounds["loader_read_warm_MBps"].append(_loader_alone(feed, read_batches, budget, widths)["MBps"])
+        finally:
+            feed.close()
+
+
+def _result(head: dict, rounds: dict, read_batches: int) -> dict:
+    """The result: `head` (what ran, on what), the medians over the rounds, every round's figures."""
     med = statistics.median
-    result = {"model": model, "settings": settings, "mesh": mesh, "store": str(store_dir) if scratch is None else None,
-              "samples": len(store), "batch": {"batch_size": shape.batch_size, "text_len": shape.text_len,
-                                               "gen_len": shape.gen_len},
-              "tokens_per_step_budget": budget, "steps": steps, "repeats": repeats, "page_cache": cache,
-              "step_latency_s": med(rounds["step_latency_s"]),
-              "disk_read_cold_MBps": med(rounds["disk_read_cold_MBps"]),
-              "loader_read_cold_MBps": med(r["MBps"] for r in rounds["xlaopt_alone"]),
-              "loader_read_warm_MBps": med(rounds["loader_read_warm_MBps"]),
-              "read_batches": read_batches, "rounds": rounds}
+    result = head | {"step_latency_s": med(rounds["step_latency_s"]),
+                     "disk_read_cold_MBps": med(rounds["disk_read_cold_MBps"]),
+                     "loader_read_cold_MBps": med(r["MBps"] for r in rounds["xlaopt_alone"]),
+                     "loader_read_warm_MBps": med(rounds["loader_read_warm_MBps"]),
+                     "read_batches": read_batches, "rounds": rounds}
+    return _with_medians(result, rounds)
+
+
+def _round_line(rounds: dict, r: int, repeats: int, latency: float) -> str:
+    """One round's figures, as the progress line."""
+    return (f"round {r + 1}/{repeats}: step {latency * 1e3:.0f} ms; "
+            + "; ".join(f"{n} {rounds[n][-1]['tokens_per_s']:.0f} tok/s, pad "
+                        f"{100 * rounds[n][-1]['padding_fraction']:.1f}%, wait "
+                        f"{100 * rounds[n][-1]['data_wait_fraction']:.1f}%" for n in CONTENDERS)
+            + f"; disk cold {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s, loader read "
+              f"{rounds['xlaopt_alone'][-1]['MBps']:.1f} MB/s cold / "
+              f"{rounds['loader_read_warm_MBps'][-1]:.1f} MB/s warm; alone "
+              + ", ".join(f"{n} {rounds[n + '_alone'][-1]['tokens_per_s']:.0f} tok/s" for n in CONTENDERS))
+
+
+def _with_medians(result: dict, rounds: dict) -> dict:
+    """`result` with each contender's medians over the rounds, and the ratios the report leads with."""
+    med = statistics.median
     for name in CONTENDERS:
         result[name] = {k: med(r[k] for r in rounds[name]) for k in rounds[name][0]}
         alone = rounds[f"{name}_alone"]

@@ -45,6 +45,7 @@ Measured figures are in BENCHMARKS.md. Buffered sequential reads on the dev VM s
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -185,6 +186,79 @@ def _filesystem(path: pathlib.Path) -> str:
     return f"{best[0]} ({best[1]})"
 
 
+@dataclasses.dataclass
+class _Passes:
+    """The passes of a round over one store: its files, the loader's batches, the reader's settings."""
+    store_dir: pathlib.Path
+    files: list[pathlib.Path]
+    config: object
+    shape: BatchShape
+    batches: list[list[int]]
+    threads: int
+    piece_bytes: int
+    disk_probe_mb: int
+    seed: int
+    warmup: int
+
+    def shard_store(self) -> tuple[SampleStore, ShardReader]:
+        reader = ShardReader(self.threads, self.piece_bytes)
+        return SampleStore(self.store_dir, reader=reader), reader
+
+    def measure(self, name: str, rounds: dict) -> int | None:
+        """Pass `name` (one of PASSES), its figures appended to `rounds`; the payload bytes the
+        shard reader's Loader delivered when that is the pass, else None."""
+        if name.startswith("disk"):
+            self.disk(name, rounds)
+        elif name.startswith("loader"):
+            return self.loader(name, rounds)
+        else:
+            self.read_many(name, rounds)
+        return None
+
+    def disk(self, name: str, rounds: dict) -> None:
+        if name == "disk_probe":
+            rounds["disk_read_cold_MBps"].append(probe_read_cold_MBps(self.store_dir, self.disk_probe_mb << 20))
+        elif name == "disk_files":
+            rounds["disk_read_cold_store_files_MBps"].append(read_files_cold_MBps(self.files))
+        else:
+            rounds["disk_read_cold_parallel_MBps"].append(
+                files_read_cold_parallel_MBps(self.files, self.threads, self.piece_bytes))
+
+    def loader(self, name: str, rounds: dict) -> int | None:
+        plain = name.endswith("tensorstore")
+        s, reader = (tensorstore_store(self.store_dir), None) if plain else self.shard_store()
+        try:
+            p = loader_pass(s, self.config, self.shape, len(self.batches), self.seed, self.warmup)
+        finally:
+            s.close()
+        rounds[f"{name}_read_cold_MBps"].append(p["MBps"])
+        rounds[f"{name}_cpu_cores"].append(p["cpu_cores"])
+        if plain:
+            return None
+        rounds["loader_read_cold_with_start_MBps"].append(p["with_start_MBps"])
+        rounds["loader_start_s"].append(p["start_s"])
+        rounds["reader_stats"].append({k: round(v, 3) if isinstance(v, float) else v
+                                       for k, v in reader.stats.items()})
+        return p["bytes"]
+
+    def read_many(self, name: str, rounds: dict) -> None:
+        plain = name.endswith("tensorstore")
+        s = tensorstore_store(self.store_dir) if plain else self.shard_store()[0]
+        try:
+            p = read_pass(s, self.batches)
+        finally:
+            s.close()
+        rounds[f"{name}_cold_MBps"].append(p["MBps"])
+        rounds[f"{name}_cpu_cores"].append(p["cpu_cores"])
+
+
+ROUND_KEYS = ("disk_read_cold_MBps", "disk_read_cold_store_files_MBps", "disk_read_cold_parallel_MBps",
+              "loader_read_cold_MBps", "loader_read_cold_with_start_MBps", "loader_start_s", "loader_cpu_cores",
+              "loader_tensorstore_read_cold_MBps", "loader_tensorstore_cpu_cores", "read_many_cold_MBps",
+              "read_many_cpu_cores", "read_many_tensorstore_cold_MBps", "read_many_tensorstore_cpu_cores",
+              "loadavg_1min", "reader_stats")
+
+
 def run_io(store_dir: str | os.PathLike | None = None, repeats: int = 3, progress: Callable = print,
            samples: int = DEFAULT_SAMPLES, tokens_per_clip: int = TOKENS_720P, config=None,
            batch_size: int = 2, threads: int = THREADS, piece_mb: float = PIECE_BYTES / (1 << 20),
@@ -217,65 +291,20 @@ def run_io(store_dir: str | os.PathLike | None = None, repeats: int = 3, progres
         progress(f"{len(store)} samples, {store_bytes / 1e9:.2f} GB in {len(files)} files on "
                  f"{_filesystem(store_dir)}; a pass reads {sum(map(len, batches))} samples in {len(batches)} "
                  f"batches of {batch_size} rows x ({shape.text_len} text + {shape.gen_len} generator tokens)")
-        keys = ("disk_read_cold_MBps", "disk_read_cold_store_files_MBps", "disk_read_cold_parallel_MBps",
-                "loader_read_cold_MBps", "loader_read_cold_with_start_MBps", "loader_start_s", "loader_cpu_cores",
-                "loader_tensorstore_read_cold_MBps", "loader_tensorstore_cpu_cores", "read_many_cold_MBps",
-                "read_many_cpu_cores", "read_many_tensorstore_cold_MBps", "read_many_tensorstore_cpu_cores",
-                "loadavg_1min", "reader_stats")
-        rounds: dict[str, list] = {k: [] for k in keys}
+        passes = _Passes(store_dir, files, config, shape, batches, threads, piece_bytes, disk_probe_mb, seed, warmup)
+        rounds: dict[str, list] = {k: [] for k in ROUND_KEYS}
         cache, payload = "", 0
-
-        def shard_store() -> tuple[SampleStore, ShardReader]:
-            reader = ShardReader(threads, piece_bytes)
-            return SampleStore(store_dir, reader=reader), reader
-
         for r in range(repeats):
             load_before = os.getloadavg()[0]
             cache = drop_page_cache([store_dir])
             for name in PASSES if r % 2 == 0 else PASSES[::-1]:
-                if name == "disk_probe":
-                    rounds["disk_read_cold_MBps"].append(probe_read_cold_MBps(store_dir, disk_probe_mb << 20))
-                elif name == "disk_files":
-                    rounds["disk_read_cold_store_files_MBps"].append(read_files_cold_MBps(files))
-                elif name == "disk_parallel":
-                    rounds["disk_read_cold_parallel_MBps"].append(
-                        files_read_cold_parallel_MBps(files, threads, piece_bytes))
-                elif name.startswith("loader"):
-                    plain = name.endswith("tensorstore")
-                    s, reader = (tensorstore_store(store_dir), None) if plain else shard_store()
-                    try:
-                        p = loader_pass(s, config, shape, len(batches), seed, warmup)
-                    finally:
-                        s.close()
-                    rounds[f"{name}_read_cold_MBps"].append(p["MBps"])
-                    rounds[f"{name}_cpu_cores"].append(p["cpu_cores"])
-                    if not plain:
-                        payload = p["bytes"]
-                        rounds["loader_read_cold_with_start_MBps"].append(p["with_start_MBps"])
-                        rounds["loader_start_s"].append(p["start_s"])
-                        rounds["reader_stats"].append({k: round(v, 3) if isinstance(v, float) else v
-                                                       for k, v in reader.stats.items()})
-                else:
-                    plain = name.endswith("tensorstore")
-                    s = tensorstore_store(store_dir) if plain else shard_store()[0]
-                    try:
-                        p = read_pass(s, batches)
-                    finally:
-                        s.close()
-                    rounds[f"{name}_cold_MBps"].append(p["MBps"])
-                    rounds[f"{name}_cpu_cores"].append(p["cpu_cores"])
+                if (delivered := passes.measure(name, rounds)) is not None:
+                    payload = delivered
             rounds["loadavg_1min"].append((load_before, os.getloadavg()[0]))
-            progress(f"round {r + 1}/{repeats}: disk {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s probe, "
-                     f"{rounds['disk_read_cold_store_files_MBps'][-1]:.0f} MB/s store files, "
-                     f"{rounds['disk_read_cold_parallel_MBps'][-1]:.0f} MB/s parallel direct; Loader "
-                     f"{rounds['loader_read_cold_MBps'][-1]:.0f} MB/s (shard reader), "
-                     f"{rounds['loader_tensorstore_read_cold_MBps'][-1]:.0f} MB/s (tensorstore); read_many "
-                     f"{rounds['read_many_cold_MBps'][-1]:.0f} / {rounds['read_many_tensorstore_cold_MBps'][-1]:.0f}"
-                     f" MB/s; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+            progress(_io_round_line(rounds, r, repeats, load_before))
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    med = statistics.median
     result = {"store": None if scratch is not None else str(store_dir), "filesystem": _filesystem(store_dir),
               "samples": len(store), "store_bytes": store_bytes, "files": len(files),
               "mean_sample_MB": store_bytes / len(store) / 1e6,
@@ -284,6 +313,24 @@ def run_io(store_dir: str | os.PathLike | None = None, repeats: int = 3, progres
               "batch": {"batch_size": shape.batch_size, "text_len": shape.text_len, "gen_len": shape.gen_len},
               "threads": threads, "piece_mb": piece_bytes / (1 << 20), "repeats": repeats, "page_cache": cache,
               "cpu_count": os.cpu_count(), "rounds": rounds}
+    return _with_io_medians(result, rounds)
+
+
+def _io_round_line(rounds: dict, r: int, repeats: int, load_before: float) -> str:
+    """One round's figures, as the progress line (the load average now, after the round)."""
+    return (f"round {r + 1}/{repeats}: disk {rounds['disk_read_cold_MBps'][-1]:.0f} MB/s probe, "
+            f"{rounds['disk_read_cold_store_files_MBps'][-1]:.0f} MB/s store files, "
+            f"{rounds['disk_read_cold_parallel_MBps'][-1]:.0f} MB/s parallel direct; Loader "
+            f"{rounds['loader_read_cold_MBps'][-1]:.0f} MB/s (shard reader), "
+            f"{rounds['loader_tensorstore_read_cold_MBps'][-1]:.0f} MB/s (tensorstore); read_many "
+            f"{rounds['read_many_cold_MBps'][-1]:.0f} / {rounds['read_many_tensorstore_cold_MBps'][-1]:.0f}"
+            f" MB/s; load {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+
+
+def _with_io_medians(result: dict, rounds: dict) -> dict:
+    """`result` with the medians over the rounds, each round's ratios to the disk (into `rounds`)
+    and their medians, and whether the loader meets the 90% goal."""
+    med = statistics.median
     for key, values in rounds.items():
         if key.endswith("MBps") or key.endswith("cpu_cores") or key.endswith("_s"):
             result[key] = med(values)

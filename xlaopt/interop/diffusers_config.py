@@ -62,7 +62,6 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
     """Map a config.json dict; raises `DiffusersConfigError` listing every unknown field and
     every unsupported value at once."""
     problems: list[str] = []
-    unknown = []
     cfg = dict(raw)
     cls_name = cfg.pop("_class_name", CLASS_NAME)
     _check(cls_name == CLASS_NAME, problems, f"_class_name={cls_name!r} (expected {CLASS_NAME!r})")
@@ -91,18 +90,7 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
            f"patch_latent_dim={patch_latent_dim} != latent_channel*latent_patch_size^2="
            f"{d['latent_channels'] * d['patch_size'] ** 2} (xlaopt patchifies the latent exactly)")
 
-    rope_scaling = get("rope_scaling", None)
-    axes = get("rope_axes_dim", None)
-    if axes is None:
-        axes = (rope_scaling or {}).get("mrope_section", [24, 20, 20])
-    d["mrope_sections"] = tuple(int(a) for a in axes)
-    if rope_scaling is not None:
-        bad = {k: v for k, v in rope_scaling.items()
-               if not ((k == "mrope_section" and list(v) == list(axes))
-                       or (k in ("type", "rope_type") and v in ("default", "mrope"))
-                       or (k == "mrope_interleaved" and v is True))}
-        _check(not bad, problems, f"rope_scaling entries {bad} (supported: interleaved mRoPE with "
-                                  f"mrope_section equal to rope_axes_dim, rope_type default/mrope)")
+    d["mrope_sections"], rope_scaling = _mrope(get, problems)
 
     _check(not get("attention_bias", False), problems,
            "attention_bias=True (xlaopt's Q/K/V/O projections have no bias)")
@@ -141,6 +129,23 @@ def cosmos3_from_diffusers(raw: dict[str, Any], name: str = "cosmos3-diffusers"
     except ConfigError as e:
         raise DiffusersConfigError(f"{CLASS_NAME} config maps to an invalid xlaopt config: {e}") from e
     return config, settings
+
+
+def _mrope(get, problems: list[str]) -> tuple[tuple[int, ...], dict | None]:
+    """(mRoPE sections, the rope_scaling entry as given): only interleaved mRoPE over the sections
+    of rope_axes_dim maps."""
+    rope_scaling = get("rope_scaling", None)
+    axes = get("rope_axes_dim", None)
+    if axes is None:
+        axes = (rope_scaling or {}).get("mrope_section", [24, 20, 20])
+    if rope_scaling is not None:
+        bad = {k: v for k, v in rope_scaling.items()
+               if not ((k == "mrope_section" and list(v) == list(axes))
+                       or (k in ("type", "rope_type") and v in ("default", "mrope"))
+                       or (k == "mrope_interleaved" and v is True))}
+        _check(not bad, problems, f"rope_scaling entries {bad} (supported: interleaved mRoPE with "
+                                  f"mrope_section equal to rope_axes_dim, rope_type default/mrope)")
+    return tuple(int(a) for a in axes), rope_scaling
 
 
 def diffusers_from_cosmos3(config: Cosmos3Config, settings: ReferenceSettings) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def plan_program(args, config, topology, old=None):
     """(base TrainProgram, PricedBatch, note) for `xlaopt plan`'s arguments."""
     from xlaopt.analysis.analyze import analysis_batch_size
     from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch
-    from xlaopt.execution import ExecutionConfig, parse_execution
+    from xlaopt.execution import ExecutionConfig, parse_execution, target_attention
     from xlaopt.families import family_of
     from xlaopt.program import TrainProgram, TrainSettings
 
@@ -96,7 +96,7 @@ def plan_program(args, config, topology, old=None):
     batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
                        pick(args.gen_len, default.gen_len))
     base = old.execution if old is not None and old.execution is not None else ExecutionConfig()
-    base = dataclasses.replace(base, attention="cudnn" if target == "gpu" else base.attention if old else "dense")
+    base = dataclasses.replace(base, attention=target_attention(target) if target == "gpu" or not old else base.attention)
     execution = parse_execution(args.exec, base)
     if old is not None and args.batch_size is None:
         batch, changed = _splittable(config, batch, topology, execution.attention)
