@@ -15,7 +15,7 @@ import sys
 import time
 import traceback
 
-from xlaopt.errors import UserError
+from xlaopt.errors import UserError, XlaoptError
 from xlaopt.io.outputs import check_outputs
 from xlaopt.mesh import MeshSpec, make_mesh, request_cpu_devices
 from xlaopt.models.registry import get_config, parse_overrides, registered_models
@@ -404,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_counts(args)  # before any work, as the outputs: a bad value costs no compile,
         check_outputs(args)  # and an unwritable output cannot lose a finished run's results
         return _COMMANDS[args.command](args)
-    except UserError as e:
+    except XlaoptError as e:  # the one place an error becomes its exit status (xlaopt.errors' table)
         print(f"xlaopt {args.command}: error: {str(e).translate(_LINE_BREAKS)}", file=sys.stderr)
-        code = getattr(e, "exit_code", 2)
+        code = e.exit_code
     except BaseException:
         if not _joined_job():
             raise
