@@ -1,4 +1,4 @@
-"""The one error base of xlaopt, and the exit status each kind ends a command with.
+"""Errors a user can fix. One base, and the exit status each kind ends a command with.
 
 An `XlaoptError` is an outcome the user acts on, not a bug: `xlaopt.cli.main` prints its
 message as one line (no traceback) and exits with its `exit_code`, in that one place.
