@@ -169,19 +169,19 @@ def generate_video(request: GenerateRequest, config, model, prompt_BP, placement
     schedule = FlowSchedule(o["steps"], shift)  # refuses a bad step count or shift
     order = sc.SAMPLERS[o["sampler"]]
     text_len = prompt_BP.shape[1] if request.text_len is None else request.text_len
-    request = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
-                               o["guidance"])
-    params = _init_params(model, request.batch, request.seed, placement)
-    x_T_BVC = request.noise(config, jax.random.key(request.seed + 1))
+    video = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
+                             o["guidance"])
+    params = _init_params(model, video.batch, request.seed, placement)
+    x_T_BVC = video.noise(config, jax.random.key(request.seed + 1))
     sampler = sc.CosmosSampler(model, placement)
-    cached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=True)
-    uncached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=False)
+    cached = sampler.sample(params, video, x_T_BVC, schedule, order, cached=True)
+    uncached = sampler.sample(params, video, x_T_BVC, schedule, order, cached=False)
     pick = lambda s: {k: s[k] for k in ("compile_s", "prefill_compile_s", "step_compile_s", "prefill_s",
                                         "wall_per_step_s", "total_s", "model_calls", "step_s")}
     return dict(
-        steps=o["steps"], sampler=o["sampler"], shift=shift, guidance=request.guidance, cfg=request.cfg,
-        text_len=text_len, gen_len=int(np.prod(request.grid)), grid=list(request.grid),
-        rows_per_step=request.batch["text_tokens_BT"].shape[0],
+        steps=o["steps"], sampler=o["sampler"], shift=shift, guidance=video.guidance, cfg=video.cfg,
+        text_len=text_len, gen_len=int(np.prod(video.grid)), grid=list(video.grid),
+        rows_per_step=video.batch["text_tokens_BT"].shape[0],
         output_shapes={"latents_BVC": list(cached.x0_BVC.shape)},
         compile_s=cached.stats["compile_s"], wall_per_step_s=cached.stats["wall_per_step_s"],
         prefill_s=cached.stats["prefill_s"],
