@@ -38,30 +38,31 @@ def main(args: argparse.Namespace) -> int:
     from xlaopt.benchmarks import disk
 
     disk.allow_system_drop()  # cold reads via drop_caches where root; library callers evict per file
-    store, row = args.store, None
-    if args.bench_command == "data" and args.mix is not None:
+    if args.bench_command == "checkpoint":
+        if args.devices < 1:
+            raise UserError(f"--devices {args.devices}: need at least one device")
+        request_cpu_devices(args.devices)
+        from xlaopt.benchmarks import checkpoint as bench
+        result = bench.run(args.size_gb, args.repeats, args.dir, progress=print)
+        print(bench.format_table(result))
+        write_json(args.json, result)
+        return 0
+    store, row = args.store, None  # `bench data` only has --store and --mix
+    if args.mix is not None:
         from xlaopt.benchmarks.data import MODEL
         from xlaopt.data.mixes import get_mix
         from xlaopt.data.synthetic_store import mix_store
 
         mix = get_mix(args.mix)
         store, row = str(mix_store(get_config(MODEL), mix)), mix.row
-    if args.bench_command == "data" and args.io:
+    if args.io:
         from xlaopt.benchmarks import data_io
 
         result = data_io.run_io(store, args.repeats, progress=print, scratch_dir=args.dir)
         print(data_io.format_io_table(result))
-        write_json(args.json, result)
-        return 0
-    if args.bench_command == "data":
+    else:
         from xlaopt.benchmarks import data as bench
         result = bench.run(store, args.steps, args.repeats, progress=print, row=row)
-    else:
-        if args.devices < 1:
-            raise UserError(f"--devices {args.devices}: need at least one device")
-        request_cpu_devices(args.devices)
-        from xlaopt.benchmarks import checkpoint as bench
-        result = bench.run(args.size_gb, args.repeats, args.dir, progress=print)
-    print(bench.format_table(result))
+        print(bench.format_table(result))
     write_json(args.json, result)
     return 0
