@@ -2,11 +2,32 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from xlaopt.cli.requests import write_json
+from xlaopt.cli.requests import request_of, write_json
 from xlaopt.errors import UserError
 from xlaopt.mesh import request_cpu_devices
 from xlaopt.models.registry import get_config
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointBench:
+    size_gb: float
+    repeats: int
+    devices: int
+    dir: str | None
+    json: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataBench:
+    store: str | None
+    mix: str | None
+    steps: int
+    repeats: int
+    io: bool
+    dir: str | None  # --io's scratch directory
+    json: str | None
 
 
 def register(sub) -> None:
@@ -39,30 +60,40 @@ def main(args: argparse.Namespace) -> int:
 
     disk.allow_system_drop()  # cold reads via drop_caches where root; library callers evict per file
     if args.bench_command == "checkpoint":
-        if args.devices < 1:
-            raise UserError(f"--devices {args.devices}: need at least one device")
-        request_cpu_devices(args.devices)
-        from xlaopt.benchmarks import checkpoint as bench
-        result = bench.run(args.size_gb, args.repeats, args.dir, progress=print)
-        print(bench.format_table(result))
-        write_json(args.json, result)
-        return 0
-    store, row = args.store, None  # `bench data` only has --store and --mix
-    if args.mix is not None:
+        return checkpoint(request_of(CheckpointBench, args))
+    return data(request_of(DataBench, args))
+
+
+def checkpoint(request: CheckpointBench) -> int:
+    if request.devices < 1:
+        raise UserError(f"--devices {request.devices}: need at least one device")
+    request_cpu_devices(request.devices)
+    from xlaopt.benchmarks import checkpoint as bench
+
+    result = bench.run(request.size_gb, request.repeats, request.dir, progress=print)
+    print(bench.format_table(result))
+    write_json(request.json, result)
+    return 0
+
+
+def data(request: DataBench) -> int:
+    store, row = request.store, None
+    if request.mix is not None:
         from xlaopt.benchmarks.data import MODEL
         from xlaopt.data.mixes import get_mix
         from xlaopt.data.synthetic_store import mix_store
 
-        mix = get_mix(args.mix)
+        mix = get_mix(request.mix)
         store, row = str(mix_store(get_config(MODEL), mix)), mix.row
-    if args.io:
+    if request.io:
         from xlaopt.benchmarks import data_io
 
-        result = data_io.run_io(store, args.repeats, progress=print, scratch_dir=args.dir)
+        result = data_io.run_io(store, request.repeats, progress=print, scratch_dir=request.dir)
         print(data_io.format_io_table(result))
     else:
         from xlaopt.benchmarks import data as bench
-        result = bench.run(store, args.steps, args.repeats, progress=print, row=row)
+
+        result = bench.run(store, request.steps, request.repeats, progress=print, row=row)
         print(bench.format_table(result))
-    write_json(args.json, result)
+    write_json(request.json, result)
     return 0

@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+
+from xlaopt.cli.requests import request_of
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateRequest:
+    runs: str
+    method: str
+    fit: bool
+    json: str | None
 
 
 def register(sub) -> None:
@@ -19,9 +30,13 @@ def register(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return run(request_of(CalibrateRequest, args))
+
+
+def run(request: CalibrateRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.analysis.calibrate import format_refit, format_table, main_calibrate
 
-    result = main_calibrate(args.runs, args.json, method=args.method, refit_only=args.fit)
-    print(format_refit(result) if args.fit else format_table(result))
+    result = main_calibrate(request.runs, request.json, method=request.method, refit_only=request.fit)
+    print(format_refit(result) if request.fit else format_table(result))
     return 0

@@ -2,9 +2,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 
-from xlaopt.cli.requests import write_json
+from xlaopt.cli.requests import request_of, write_json
+
+
+@dataclasses.dataclass(frozen=True)
+class MakeRequest:
+    dir: str
+    model: str
+    mix: str | None
+    samples: int | None  # None: the toy default, or the mix's
+    seed: int
+    shard_mb: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsRequest:
+    dir: str
+    json: str | None
 
 
 def register(sub) -> None:
@@ -28,36 +45,50 @@ def register(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.data_command == "make":
+        return make(request_of(MakeRequest, args))
+    return stats(request_of(StatsRequest, args))
+
+
+def make(request: MakeRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
-    from xlaopt.data.store import SampleStore
     from xlaopt.models.registry import get_config
 
-    if args.data_command == "make":
-        config, shard_bytes = get_config(args.model), int(args.shard_mb * 2**20)
-        if args.mix is None:
-            from xlaopt.data.synthetic_store import DEFAULT_SAMPLES, make_store
+    config, shard_bytes = get_config(request.model), int(request.shard_mb * 2**20)
+    if request.mix is None:
+        from xlaopt.data.synthetic_store import DEFAULT_SAMPLES, make_store
 
-            samples = DEFAULT_SAMPLES if args.samples is None else args.samples
-            manifest = make_store(args.dir, config, samples, args.seed, shard_bytes)
-        else:
-            from xlaopt.data.mixes import get_mix, latent_bytes
-            from xlaopt.data.synthetic_store import make_mix_store
-
-            mix = get_mix(args.mix)
-            samples = mix.default_samples if args.samples is None else args.samples
-            if samples >= 1 and config.family == "cosmos3":
-                print(f"{args.dir}: writing {samples} samples of {mix.name} at {config.name}'s widths, "
-                      f"~{latent_bytes(mix.lengths(samples, args.seed), config) / 1e6:.0f} MB of latents")
-            manifest = make_mix_store(args.dir, config, mix, samples, args.seed, shard_bytes)
-        size = sum(f.stat().st_size for f in pathlib.Path(args.dir).rglob("*") if f.is_file())
-        print(f"{args.dir}: store size {size / 1e6:.1f} MB")
+        samples = DEFAULT_SAMPLES if request.samples is None else request.samples
+        manifest = make_store(request.dir, config, samples, request.seed, shard_bytes)
     else:
-        manifest = SampleStore(args.dir).manifest
-        write_json(args.json, manifest)
+        from xlaopt.data.mixes import get_mix, latent_bytes
+        from xlaopt.data.synthetic_store import make_mix_store
+
+        mix = get_mix(request.mix)
+        samples = mix.default_samples if request.samples is None else request.samples
+        if samples >= 1 and config.family == "cosmos3":
+            print(f"{request.dir}: writing {samples} samples of {mix.name} at {config.name}'s widths, "
+                  f"~{latent_bytes(mix.lengths(samples, request.seed), config) / 1e6:.0f} MB of latents")
+        manifest = make_mix_store(request.dir, config, mix, samples, request.seed, shard_bytes)
+    size = sum(f.stat().st_size for f in pathlib.Path(request.dir).rglob("*") if f.is_file())
+    print(f"{request.dir}: store size {size / 1e6:.1f} MB")
+    _print_manifest(request.dir, manifest)
+    return 0
+
+
+def stats(request: StatsRequest) -> int:
+    from xlaopt.data.store import SampleStore
+
+    manifest = SampleStore(request.dir).manifest
+    write_json(request.json, manifest)
+    _print_manifest(request.dir, manifest)
+    return 0
+
+
+def _print_manifest(directory: str, manifest: dict) -> None:
     stats = manifest["stats"]
-    print(f"{args.dir}: {manifest['num_samples']} samples in {len(manifest['shards'])} shards; "
+    print(f"{directory}: {manifest['num_samples']} samples in {len(manifest['shards'])} shards; "
           + ", ".join(f"{k} {v}" for k, v in stats["modalities"].items()))
     for key in ("text_tokens", "gen_tokens", "tokens"):
         q = stats[key]
         print(f"  {key:<12} mean {q['mean']:.1f}  p50 {q['p50']:.0f}  p90 {q['p90']:.0f}  p99 {q['p99']:.0f}  max {q['max']}")
-    return 0

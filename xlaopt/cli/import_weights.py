@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from xlaopt.cli.requests import request_of
 from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec, request_cpu_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportRequest:
+    source: tuple[str, str]  # --from FORMAT DIR
+    out: str
+    mesh: str
+    name: str
 
 
 def register(sub) -> None:
@@ -18,15 +28,19 @@ def register(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    fmt, directory = args.source
+    return run(request_of(ImportRequest, args))
+
+
+def run(request: ImportRequest) -> int:
+    fmt, directory = request.source
     if fmt != "diffusers":
         raise UserError(f"--from {fmt}: only 'diffusers' (a Cosmos3OmniTransformer directory) is supported")
-    mesh = MeshSpec.parse(args.mesh)
+    mesh = MeshSpec.parse(request.mesh)
     request_cpu_devices(mesh.num_devices)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX (nor torch).
     from xlaopt.interop.checkpoint import import_to_checkpoint
 
-    info = import_to_checkpoint(directory, args.out, mesh, name=args.name)
+    info = import_to_checkpoint(directory, request.out, mesh, name=request.name)
     print(f"imported {info['tensors']} tensors ({info['params'] / 1e6:.1f}M parameters) from {directory} "
-          f"into {args.out} step {info['step']} on mesh {mesh}")
+          f"into {request.out} step {info['step']} on mesh {mesh}")
     return 0

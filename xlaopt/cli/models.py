@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from xlaopt.cli.requests import write_json
+from xlaopt.cli.requests import request_of, write_json
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelsRequest:
+    json: str | None
 
 
 def register(sub) -> None:
@@ -12,6 +18,10 @@ def register(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return run(request_of(ModelsRequest, args))
+
+
+def run(request: ModelsRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.build import build_program
     from xlaopt.models.registry import get_config, registered_models
@@ -32,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
               f"{cell(r['num_layers']):>6} {cell(r['num_heads']):>5} {cell(r['num_kv_heads']):>3} {cell(r['mlp_dim']):>6}")
     print("params: counted from the abstract parameter tree (Cosmos 3: both towers, embedding, LM head, "
           "generator I/O; the reasoner's ViT image encoder is not modelled and not counted).")
-    write_json(args.json, {"models": rows})
+    write_json(request.json, {"models": rows})
     return 0
 
 

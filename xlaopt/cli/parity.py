@@ -2,8 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from xlaopt.cli.requests import write_json
+from xlaopt.cli.requests import request_of, write_json
+
+
+@dataclasses.dataclass(frozen=True)
+class ParityRequest:
+    diffusers: str
+    seed: int
+    inputs: str | None  # a sample's .npz instead of one built from `seed`
+    dump: str | None
+    json: str | None
+    dtype: str
+    rope_table: str
 
 
 def register(sub) -> None:
@@ -22,11 +34,15 @@ def register(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return run(request_of(ParityRequest, args))
+
+
+def run(request: ParityRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX (nor torch).
     from xlaopt.interop.parity import format_parity, run_parity
 
-    result = run_parity(diffusers_dir=args.diffusers, seed=args.seed, inputs_npz=args.inputs, dump=args.dump,
-                        dtype=args.dtype, rope_table=args.rope_table)
+    result = run_parity(diffusers_dir=request.diffusers, seed=request.seed, inputs_npz=request.inputs, dump=request.dump,
+                        dtype=request.dtype, rope_table=request.rope_table)
     print(format_parity(result))
-    write_json(args.json, result)
+    write_json(request.json, result)
     return 0 if result["ok"] else 1
