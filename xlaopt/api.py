@@ -42,35 +42,20 @@ def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None
     `execution`: an ExecutionConfig or its fields as a mapping."""
     import dataclasses
 
+    from xlaopt.build import build_program as build, choose_layout
     from xlaopt.data.batch import BatchShape
-    from xlaopt.errors import UserError
     from xlaopt.execution import ExecutionConfig
-    from xlaopt.families import family_of
-    from xlaopt.layout import load_layout
-    from xlaopt.mesh import MeshSpec
     from xlaopt.models.registry import get_config
-    from xlaopt.program import TrainProgram, TrainSettings
-    from xlaopt.sharding import DEFAULT_RULES
 
     config = get_config(model, dict(overrides or {})) if isinstance(model, str) else model
-    if layout is not None:
-        if mesh:
-            raise UserError("give a mesh or a layout file, not both: a layout file holds its mesh")
-        loaded = load_layout(layout)
-        loaded.check_model(config.name, str(layout))
-        mesh_spec, rules = loaded.mesh, loaded.rules
-        batch = loaded.batch if batch is None else batch
-        execution = loaded.execution if execution is None else execution
-    else:
-        mesh_spec, rules = (mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh)), DEFAULT_RULES
-    if batch is None:
-        batch = family_of(config).default_batch(config)
-    elif not isinstance(batch, BatchShape):
+    chosen = choose_layout(mesh, layout, config.name)
+    batch = chosen.batch if batch is None else batch
+    execution = chosen.execution if execution is None else execution
+    if batch is not None and not isinstance(batch, BatchShape):
         batch = BatchShape(*batch)
-    if not isinstance(execution, ExecutionConfig):
-        execution = dataclasses.replace(ExecutionConfig(), **dict(execution or {}))
-    return TrainProgram(config, mesh_spec, rules=rules, settings=TrainSettings(batch=batch, seed=seed),
-                        execution=execution, target=target, compiler_options=dict(compiler_options or {}))
+    if execution is not None and not isinstance(execution, ExecutionConfig):
+        execution = dataclasses.replace(ExecutionConfig(), **dict(execution))
+    return build(config, chosen, batch, execution, seed=seed, target=target, compiler_options=dict(compiler_options or {}))
 
 
 def optimize(program, *, topology: Any = None, passes: Sequence[str] | None = None, disable: Sequence[str] = (),

@@ -24,7 +24,6 @@ the fp32 tolerance; with trained weights and long clips it can be larger).
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import tempfile
 
@@ -167,30 +166,3 @@ def format_parity(result: dict) -> str:
                          f"{'ok' if r['ok'] else 'MISMATCH'}")
     lines.append("ok" if result["ok"] else "MISMATCH")
     return "\n".join(lines)
-
-
-# ---- command line (wired by xlaopt.cli) -----------------------------------------------------
-
-def cmd_parity(args) -> int:
-    result = run_parity(diffusers_dir=args.diffusers, seed=args.seed, inputs_npz=args.inputs, dump=args.dump,
-                        dtype=args.dtype, rope_table=args.rope_table)
-    print(format_parity(result))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if result["ok"] else 1
-
-
-def cmd_import_weights(args) -> int:
-    from xlaopt.mesh import MeshSpec, request_cpu_devices
-
-    fmt, directory = args.source
-    if fmt != "diffusers":
-        raise UserError(f"--from {fmt}: only 'diffusers' (a Cosmos3OmniTransformer directory) is supported")
-    mesh = MeshSpec.parse(args.mesh)
-    request_cpu_devices(mesh.num_devices)
-    from xlaopt.interop.checkpoint import import_to_checkpoint
-
-    info = import_to_checkpoint(directory, args.out, mesh, name=args.name)
-    print(f"imported {info['tensors']} tensors ({info['params'] / 1e6:.1f}M parameters) from {directory} "
-          f"into {args.out} step {info['step']} on mesh {mesh}")
-    return 0

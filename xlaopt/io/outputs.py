@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+from typing import Any, Mapping
 
 from xlaopt.errors import UserError
 
@@ -25,19 +26,23 @@ _BY_COMMAND = {"plan": {"out": ("--out", FILE)}, "import-weights": {"out": ("--o
                "data make": {"dir": ("DIR", DIRECTORY)}, "bench": {"dir": ("--dir", DIRECTORY)}}
 
 
-def outputs(args) -> list[tuple[str, str, str]]:
-    """(flag, path, kind) of each output the parsed arguments of a command name."""
-    command = args.command + (" make" if getattr(args, "data_command", None) == "make" else "")
+def outputs(command: str, values: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """(flag, path, kind) of each output that `values` (the flags' values by dest) of `command`
+    (its words: `plan`, `data make`) name."""
+    own = {}
+    for name, dests in _BY_COMMAND.items():
+        if command == name or command.startswith(name + " "):
+            own = dests
     found = []
-    for dest, (flag, kind) in {**_COMMON, **_BY_COMMAND.get(command, {})}.items():
-        path = getattr(args, dest, None)
+    for dest, (flag, kind) in {**_COMMON, **own}.items():
+        path = values.get(dest)
         if isinstance(path, str) and path:  # unset, or "" (which `_write_json` skips)
             found.append((flag, path, kind))
     return found
 
 
-def check_outputs(args) -> None:
-    for flag, path, kind in outputs(args):
+def check_outputs(command: str, values: Mapping[str, Any]) -> None:
+    for flag, path, kind in outputs(command, values):
         check_writable(path, flag, kind)
 
 

@@ -14,7 +14,9 @@ on the GPU target (the only one that is fast there) and dense elsewhere, unless 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
+from xlaopt.build import BatchRequest
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 
@@ -60,51 +62,55 @@ def plan_target(requested: str, topology) -> tuple[str, str]:
     return "cpu", ""
 
 
-def plan_program(args, config, topology, old=None):
-    """(base TrainProgram, PricedBatch, note) for `xlaopt plan`'s arguments."""
+def plan_program(config, topology, *, target: str = "auto", mix: str | None = None, data: str | None = None,
+                 batch: BatchRequest | None = None, execution_settings: Sequence[str] = (), seed: int = 0,
+                 old=None):
+    """(base TrainProgram, PricedBatch, note) for `xlaopt plan`: `target` as `--target`, rows of
+    the named `mix` or the store `data`, the `batch` fields given, `execution_settings` as
+    `--exec`'s KEY=VALUE, `old` the `--from` layout."""
     from xlaopt.analysis.analyze import analysis_batch_size
     from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch
+    from xlaopt.build import build_program
     from xlaopt.execution import ExecutionConfig, parse_execution, target_attention
     from xlaopt.families import family_of
-    from xlaopt.program import TrainProgram, TrainSettings
 
-    target, note = plan_target(args.target, topology)
+    target, note = plan_target(target, topology)
     if target == "gpu":
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless, as for analyze --target gpu
     n = topology.num_devices
     gpu = topology.device.hbm_bytes > 0
-    cosmos = config.family == "cosmos3"
-    mix = args.mix if args.mix is not None else (DEFAULT_MIX if cosmos and gpu and args.data is None else None)
+    family = family_of(config)
+    cosmos = family.packs_samples
+    mix = mix if mix is not None else (DEFAULT_MIX if cosmos and gpu and data is None else None)
     if mix is not None and not cosmos:
         raise UserError(f"--mix: mixes hold Cosmos 3 samples; {config.name} is planned on its synthetic stream")
-    default = family_of(config).default_batch(config)
+    default = family.default_batch(config)
     if old is not None and old.batch is not None:
         default = old.batch
     elif gpu and cosmos:
         from xlaopt.data.mixes import get_mix
 
         default = BatchShape(n, *get_mix(mix).row) if mix else dataclasses.replace(default, batch_size=n)
-    elif gpu and config.family == "decoder":
+    elif gpu and family.decodes_text:  # text rows (Cosmos 3, which also decodes text, took the branch above)
         default = BatchShape(DECODER_ROWS_PER_DEVICE * n, DECODER_SEQ, 0)
     elif gpu:  # images: the config fixes the row
         default = dataclasses.replace(default, batch_size=IMAGES_PER_DEVICE * n)
     else:
         default = dataclasses.replace(default, batch_size=analysis_batch_size(_data_mesh(n), default.batch_size, None))
-    pick = lambda value, fallback: fallback if value is None else value
-    batch = BatchShape(pick(args.batch_size, default.batch_size), pick(args.text_len, default.text_len),
-                       pick(args.gen_len, default.gen_len))
+    batch = batch or BatchRequest()
+    given_rows = batch.batch_size
+    batch = batch.shape(default)
     base = old.execution if old is not None and old.execution is not None else ExecutionConfig()
     base = dataclasses.replace(base, attention=target_attention(target) if target == "gpu" or not old else base.attention)
-    execution = parse_execution(args.exec, base)
-    if old is not None and args.batch_size is None:
+    execution = parse_execution(execution_settings, base)
+    if old is not None and given_rows is None:
         batch, changed = _splittable(config, batch, topology, execution.attention)
         if changed:
             note = (note + "; " if note else "") + changed
-    program = TrainProgram(config, settings=TrainSettings(batch=batch, seed=args.seed), execution=execution,
-                           target=target)
-    priced = (mix_batch(program, mix) if mix is not None else store_batch(program, args.data) if args.data
+    program = build_program(config, batch=batch, execution=execution, seed=seed, target=target)
+    priced = (mix_batch(program, mix) if mix is not None else store_batch(program, data) if data
               else synthetic_batch(program))
     return program, priced, note
 

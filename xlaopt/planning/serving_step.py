@@ -74,7 +74,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     prompt tokens (both guidance branches in one batch when `guidance` != 1), cached and uncached."""
     from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
-    from xlaopt.execution import ExecutionConfig
+    from xlaopt.execution import ExecutionConfig, target_attention
     from xlaopt.families import family_of
     from xlaopt.inference import sample_cosmos as sc
     from xlaopt.inference.decode import CACHE_AXES
@@ -86,8 +86,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     sc.check_guidance(guidance)
     cfg = guidance != 1.0
     R = 2 * rows if cfg else rows
-    # cuDNN's fused attention where XLA's GPU pipeline runs; a dense one elsewhere.
-    execution = ExecutionConfig(compute_dtype=dtype, attention="cudnn" if target == "gpu" else "dense")
+    execution = ExecutionConfig(compute_dtype=dtype, attention=target_attention(target))
     placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
     model = family_of(config).module(config, execution)
     params = _served_params(config, execution, placement, dtype)

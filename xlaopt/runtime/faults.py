@@ -26,22 +26,12 @@ import sys
 import threading
 import time
 
-from xlaopt.errors import UserError
+from xlaopt.errors import EXIT_PEER_LOST, RunFailed, UserError
 
 DEFAULT_PEER_TIMEOUT_S = 60.0
-# Exit statuses of `xlaopt train` beyond 0 (done, or stopped by SIGTERM after its final
-# checkpoint) and 2 (bad input, refused before any work): the run failed part-way, its last
-# committed checkpoint is intact and `--resume` continues from it.
-EXIT_RUN_FAILED = 3
-EXIT_PEER_LOST = 4
 
 
-class RunFailed(UserError):
-    """The run stopped part-way (a non-finite loss, a lost peer); nothing committed is lost."""
-    exit_code = EXIT_RUN_FAILED
-
-
-class PeerLost(UserError):
+class PeerLost(RunFailed):
     """A collective failed because a peer process went away."""
     exit_code = EXIT_PEER_LOST
 

@@ -30,29 +30,60 @@ from xlaopt.errors import UserError
 from xlaopt.mesh import request_cpu_devices
 from xlaopt.models.registry import get_config, parse_overrides
 
-# Defaults of the options whose argparse default is None (None: "not given", so a mode can
-# refuse the other mode's options).
+# Defaults of the options a request leaves None (None: "not given", so a mode can refuse the
+# other mode's options).
 VIDEO_DEFAULTS = dict(steps=10, guidance=3.0, sampler="euler", shift=None, gen_len=64, frames=None)
 TEXT_DEFAULTS = dict(new_tokens=16, temperature=None)
 PROMPT_LEN = 16
 
 
-def _given(args, names) -> list[str]:
-    return [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is not None]
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate; None is "not given": the mode's default, or a layout file's batch."""
+    model: str
+    overrides: tuple[str, ...] = ()  # KEY=VALUE config fields
+    mesh: str = ""
+    layout: str | None = None  # a layout file instead of `mesh`
+    dtype: str | None = None  # default: the layout's, else float32
+    batch_size: int | None = None
+    prompt: str | None = None  # comma-separated token ids
+    prompt_len: int | None = None
+    text_len: int | None = None
+    seed: int = 0
+    decode_text: bool = False
+    gen_len: int | None = None
+    frames: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    sampler: str | None = None
+    shift: float | None = None
+    new_tokens: int | None = None
+    temperature: float | None = None
+
+    def options(self, defaults: dict) -> dict:
+        """The mode's options: each one given, else its default."""
+        return {k: v if getattr(self, k) is None else getattr(self, k) for k, v in defaults.items()}
 
 
-def choose_mode(config, args) -> str:
+def _given(request: GenerateRequest, names) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in names if getattr(request, n) is not None]
+
+
+def choose_mode(config, request: GenerateRequest) -> str:
     """'video' or 'text' for this model and these options, or a UserError saying why neither."""
-    video_opts, text_opts = _given(args, VIDEO_DEFAULTS), _given(args, TEXT_DEFAULTS)
-    if config.family == "cosmos3" and not args.decode_text:
+    from xlaopt.families import family_of
+
+    family = family_of(config)
+    video_opts, text_opts = _given(request, VIDEO_DEFAULTS), _given(request, TEXT_DEFAULTS)
+    if family.generates_video and not request.decode_text:
         if text_opts:
             raise UserError(f"{', '.join(text_opts)}: text decoding options; add --decode-text to decode "
                             f"{config.name}'s reasoner text instead of sampling video")
         return "video"
-    if config.family not in ("cosmos3", "decoder"):
+    if not family.decodes_text:
         raise UserError(f"{config.name} ({config.family}) has no generator to sample and no text head to "
                         f"decode; generate works with Cosmos 3 (video, or --decode-text) and decoder LLMs (text)")
-    if video_opts and config.family == "decoder":
+    if video_opts and not family.generates_video:
         raise UserError(f"{config.name} has no generator tower: it cannot sample video ({', '.join(video_opts)}); "
                         f"decode text with --new-tokens N")
     if video_opts:
@@ -92,63 +123,68 @@ def _init_params(model, batch: dict, seed: int, placement=None):
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed), batch)
 
 
-def _prompts(args, config, rows: int) -> np.ndarray:
+def _prompts(request: GenerateRequest, config, rows: int) -> np.ndarray:
     """[rows, P] token ids: --prompt's (every row the same) or random ids of --prompt-len drawn from --seed."""
-    if args.prompt is not None:
+    if request.prompt is not None:
         try:
-            ids = [int(t) for t in args.prompt.split(",") if t.strip()]
+            ids = [int(t) for t in request.prompt.split(",") if t.strip()]
         except ValueError:
-            raise UserError(f"--prompt {args.prompt!r}: give comma-separated token ids, e.g. 5,17,300") from None
+            raise UserError(f"--prompt {request.prompt!r}: give comma-separated token ids, e.g. 5,17,300") from None
         return np.tile(np.asarray(ids, np.int32), (rows, 1))
-    length = PROMPT_LEN if args.prompt_len is None else args.prompt_len
+    length = PROMPT_LEN if request.prompt_len is None else request.prompt_len
     if length < 1:
         raise UserError(f"--prompt-len {length}: a prompt needs at least one token")
-    return np.random.default_rng(args.seed).integers(0, config.vocab_size, (rows, length)).astype(np.int32)
+    return np.random.default_rng(request.seed).integers(0, config.vocab_size, (rows, length)).astype(np.int32)
 
 
-def generate(args, layout_of) -> dict:
-    """The command's result; `layout_of(args)` is the CLI's --mesh/--layout reader, called after the
-    mode is chosen (a layout file's batch fills options the user left unset)."""
-    config = get_config(args.model, parse_overrides(args.model, args.set))
-    mode = choose_mode(config, args)
-    layout = layout_of(args)
-    rows = 1 if args.batch_size is None else args.batch_size
+def generate(request: GenerateRequest) -> dict:
+    """The command's result. The layout is read once the mode is chosen (its batch fills the
+    options the request leaves unset, and must not count as the other mode's)."""
+    from xlaopt.build import BatchRequest, choose_layout
+
+    config = get_config(request.model, parse_overrides(request.model, request.overrides))
+    mode = choose_mode(config, request)
+    layout = choose_layout(request.mesh, request.layout, request.model)
+    given = BatchRequest(request.batch_size, request.text_len, request.gen_len).over(layout.batch)
+    dtype = request.dtype or (layout.execution.compute_dtype if layout.execution is not None else "float32")
+    request = dataclasses.replace(request, dtype=dtype, **dataclasses.asdict(given))
+    rows = 1 if request.batch_size is None else request.batch_size
     if rows < 1:
         raise UserError(f"--batch-size {rows}: need at least one row")
-    execution = _execution(layout, args.dtype)
+    execution = _execution(layout, dtype)
     placement = _placement(config, layout, execution)
     model = _model(config, execution)
-    prompt_BP = _prompts(args, config, rows)
-    common = dict(model=config.name, family=config.family, mode=mode, dtype=args.dtype, batch_size=rows,
-                  prompt_len=int(prompt_BP.shape[1]), seed=args.seed, mesh=layout.mesh.as_dict())
+    prompt_BP = _prompts(request, config, rows)
+    common = dict(model=config.name, family=config.family, mode=mode, dtype=dtype, batch_size=rows,
+                  prompt_len=int(prompt_BP.shape[1]), seed=request.seed, mesh=layout.mesh.as_dict())
     run = generate_video if mode == "video" else generate_text
-    return common | run(args, config, model, prompt_BP, placement)
+    return common | run(request, config, model, prompt_BP, placement)
 
 
-def generate_video(args, config, model, prompt_BP, placement=None) -> dict:
+def generate_video(request: GenerateRequest, config, model, prompt_BP, placement=None) -> dict:
     from xlaopt.data.synthetic_cosmos import RESOLUTION_SHIFT
     from xlaopt.inference import sample_cosmos as sc
     from xlaopt.inference.flow_schedule import FlowSchedule
 
-    o = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in VIDEO_DEFAULTS.items()}
+    o = request.options(VIDEO_DEFAULTS)
     # The sampling shift defaults to the one the synthetic data's sigmas are trained at (256p).
     shift = RESOLUTION_SHIFT if o["shift"] is None else o["shift"]
     schedule = FlowSchedule(o["steps"], shift)  # refuses a bad step count or shift
     order = sc.SAMPLERS[o["sampler"]]
-    text_len = prompt_BP.shape[1] if args.text_len is None else args.text_len
-    request = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
-                               o["guidance"])
-    params = _init_params(model, request.batch, args.seed, placement)
-    x_T_BVC = request.noise(config, jax.random.key(args.seed + 1))
+    text_len = prompt_BP.shape[1] if request.text_len is None else request.text_len
+    video = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
+                             o["guidance"])
+    params = _init_params(model, video.batch, request.seed, placement)
+    x_T_BVC = video.noise(config, jax.random.key(request.seed + 1))
     sampler = sc.CosmosSampler(model, placement)
-    cached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=True)
-    uncached = sampler.sample(params, request, x_T_BVC, schedule, order, cached=False)
+    cached = sampler.sample(params, video, x_T_BVC, schedule, order, cached=True)
+    uncached = sampler.sample(params, video, x_T_BVC, schedule, order, cached=False)
     pick = lambda s: {k: s[k] for k in ("compile_s", "prefill_compile_s", "step_compile_s", "prefill_s",
                                         "wall_per_step_s", "total_s", "model_calls", "step_s")}
     return dict(
-        steps=o["steps"], sampler=o["sampler"], shift=shift, guidance=request.guidance, cfg=request.cfg,
-        text_len=text_len, gen_len=int(np.prod(request.grid)), grid=list(request.grid),
-        rows_per_step=request.batch["text_tokens_BT"].shape[0],
+        steps=o["steps"], sampler=o["sampler"], shift=shift, guidance=video.guidance, cfg=video.cfg,
+        text_len=text_len, gen_len=int(np.prod(video.grid)), grid=list(video.grid),
+        rows_per_step=video.batch["text_tokens_BT"].shape[0],
         output_shapes={"latents_BVC": list(cached.x0_BVC.shape)},
         compile_s=cached.stats["compile_s"], wall_per_step_s=cached.stats["wall_per_step_s"],
         prefill_s=cached.stats["prefill_s"],
@@ -158,22 +194,23 @@ def generate_video(args, config, model, prompt_BP, placement=None) -> dict:
         cached=pick(cached.stats), uncached=pick(uncached.stats))
 
 
-def generate_text(args, config, model, prompt_BP, placement=None) -> dict:
+def generate_text(request: GenerateRequest, config, model, prompt_BP, placement=None) -> dict:
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
     from xlaopt.inference.decode import Decoding
 
-    o = {k: (v if getattr(args, k) is None else getattr(args, k)) for k, v in TEXT_DEFAULTS.items()}
+    o = request.options(TEXT_DEFAULTS)
     rows, P = prompt_BP.shape
-    spec = family_of(config).batch_spec(config, BatchShape(rows, P, 1 if config.family == "cosmos3" else 0))
-    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, args.seed, placement)
-    key = None if o["temperature"] is None else jax.random.key(args.seed)
+    family = family_of(config)
+    spec = family.batch_spec(config, BatchShape(rows, P, 1 if family.generates_video else 0))
+    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, request.seed, placement)
+    key = None if o["temperature"] is None else jax.random.key(request.seed)
     out = Decoding(model, placement).generate(params, prompt_BP, o["new_tokens"], temperature=o["temperature"],
-                                              key=key, cache_len=args.text_len)
+                                              key=key, cache_len=request.text_len)
     s = out.stats
     step_s = s["decode_step_s"]
     return dict(new_tokens=o["new_tokens"], temperature=o["temperature"], greedy=o["temperature"] is None,
-                cache_len=P + o["new_tokens"] if args.text_len is None else args.text_len,
+                cache_len=P + o["new_tokens"] if request.text_len is None else request.text_len,
                 output_shapes={"tokens_BN": list(out.tokens_BN.shape)}, tokens=out.tokens_BN.tolist(),
                 compile_s=s["prefill_compile_s"] + s["decode_compile_s"], prefill_compile_s=s["prefill_compile_s"],
                 decode_compile_s=s["decode_compile_s"], prefill_s=s["prefill_s"],

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
+from xlaopt.errors import EXIT_PEER_LOST
 from xlaopt.runtime.distributed import DistributedError, free_port
-from xlaopt.runtime.faults import EXIT_PEER_LOST
 
 GRACE_S = 5.0  # beyond --peer-timeout: a process failing on its own has printed why and exited by then
 

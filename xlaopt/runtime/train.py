@@ -18,11 +18,11 @@ from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
 from xlaopt.data.store import SampleStore
-from xlaopt.errors import UserError
+from xlaopt.errors import RunFailed, UserError
 from xlaopt.families import family_of
 from xlaopt.program import TrainProgram
 from xlaopt.runtime import distributed, goodput
-from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S, PeerLost, PeerWatch, RunFailed, StopSignal
+from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S, PeerLost, PeerWatch, StopSignal
 from xlaopt.runtime.progress import ProgressBar
 from xlaopt.sharding import row_groups
 from xlaopt.step import param_count

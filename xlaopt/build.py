@@ -1,0 +1,67 @@
+"""One way from what a user asks for to a `TrainProgram`: the command line, the Python API
+(`xlaopt.build_program`) and the planner build theirs here, so a setting means the same wherever
+it is given. Field by field, what is given wins, then a layout file's, then the defaults (the
+family's batch, `ExecutionConfig()`, one device)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
+from xlaopt.families import family_of
+from xlaopt.layout import Layout, load_layout
+from xlaopt.mesh import MeshSpec
+from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.transforms.compiler_options import CompilerOptions
+
+_BATCH_FIELDS = ("batch_size", "text_len", "gen_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRequest:
+    """The batch fields a user gave; None is "not given", left to a layout file or a default."""
+    batch_size: int | None = None
+    text_len: int | None = None
+    gen_len: int | None = None
+
+    def over(self, fallback: BatchShape | BatchRequest | None) -> BatchRequest:
+        """These fields, each one not given taken from `fallback`."""
+        if fallback is None:
+            return self
+        return BatchRequest(*(getattr(fallback, f) if getattr(self, f) is None else getattr(self, f)
+                              for f in _BATCH_FIELDS))
+
+    def shape(self, default: BatchShape) -> BatchShape:
+        return BatchShape(*dataclasses.astuple(self.over(default)))
+
+
+def choose_layout(mesh: str | MeshSpec, layout_file: str | os.PathLike | None, model: str) -> Layout:
+    """The layout of a mesh (default rules and device order) or of a layout file, whose model
+    must be `model`; not both, since a layout file holds its mesh."""
+    if layout_file is None:
+        return Layout(mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh))
+    if mesh:
+        raise UserError("--mesh and --layout both given; a layout file holds its mesh, pass one or the other")
+    layout = load_layout(layout_file)
+    layout.check_model(model, str(layout_file))
+    return layout
+
+
+def build_program(config, layout: Layout | None = None, batch: BatchShape | None = None,
+                  execution: ExecutionConfig | None = None, *, seed: int = 0, learning_rate: float | None = None,
+                  nonfinite: str | None = None, target: str = "cpu",
+                  compiler_options: CompilerOptions | dict | None = None) -> TrainProgram:
+    """The program of a model config on a layout (default: one device), with the batch (default:
+    the family's) and the execution (default: `ExecutionConfig()`); `learning_rate` and
+    `nonfinite` replace `TrainSettings`' own where given."""
+    layout = layout or Layout(MeshSpec())
+    settings = TrainSettings(batch=batch or family_of(config).default_batch(config), seed=seed)
+    if learning_rate is not None:
+        settings = dataclasses.replace(settings, learning_rate=learning_rate)
+    if nonfinite is not None:
+        settings = dataclasses.replace(settings, nonfinite=nonfinite)
+    return TrainProgram(config, layout.mesh, rules=layout.rules, settings=settings,
+                        execution=execution or ExecutionConfig(), target=target,
+                        compiler_options=compiler_options or CompilerOptions())

@@ -1,0 +1,42 @@
+"""`xlaopt calibrate`: price published training runs with the cost model."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from xlaopt.cli.requests import request_of
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrateRequest:
+    runs: str
+    method: str
+    fit: bool
+    json: str | None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("calibrate", help="price published training runs with the cost model; per-row and "
+                                         "leave-one-out errors")
+    p.add_argument("--runs", required=True, metavar="CSV", help="published runs (schema: shared/calibration/README.md)")
+    p.add_argument("--method", default="analytic", choices=("analytic", "compiled"),
+                   help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
+                        "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
+                        "devices and price the HLO with the simulator, the rest analytically (about a minute)")
+    p.add_argument("--fit", action="store_true",
+                   help="refit the efficiencies on the CSV's modelled rows and print them to 3 significant "
+                        "figures beside the frozen costmodel.FITTED (changes nothing)")
+    p.add_argument("--json", default=None, metavar="OUT")
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(request_of(CalibrateRequest, args))
+
+
+def run(request: CalibrateRequest) -> int:
+    # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
+    from xlaopt.analysis.calibrate import format_refit, format_table, main_calibrate
+
+    result = main_calibrate(request.runs, request.json, method=request.method, refit_only=request.fit)
+    print(format_refit(result) if request.fit else format_table(result))
+    return 0

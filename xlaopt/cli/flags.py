@@ -1,0 +1,49 @@
+"""Flags that several commands share, registered on each command's own parser."""
+from __future__ import annotations
+
+import argparse
+
+CLUSTER_HELP = ("the cluster the mesh is laid on, e.g. h100:2x4 or a TOML/JSON file: passes that act on its nodes "
+                "(hierarchical-grads) use them; default: in a multi-process job each process's devices are a node")
+
+
+def model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="registered model name (see `xlaopt models`)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set num_layers=2 (repeatable)")
+
+
+def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
+    model_args(p)
+    p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
+    p.add_argument("--layout", default=None, metavar="FILE",
+                   help="a layout file (TOML/JSON: mesh, device order, rules, batch, execution; see xlaopt.layout, "
+                        "written by `xlaopt plan --out`) instead of --mesh; sizes and --exec given here override its own")
+    p.add_argument("--dtype", default=None,
+                   help=f"compute dtype, the execution setting compute_dtype (default: the layout's, else {default_dtype})")
+    p.set_defaults(default_dtype=default_dtype)
+    p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
+                   help="an execution setting (xlaopt.execution: remat, attention, attention_block, layer_stack, "
+                        "micro_batches, loss_scale_init, loss_scale_growth_interval), e.g. --exec remat=full (repeatable); "
+                        "a resume accepts any")
+    p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compiler option, e.g. --xla-option xla_cpu_enable_fast_math=false (repeatable)")
+    p.add_argument("--pass-option", action="append", default=[], metavar="PASS.FIELD=VALUE",
+                   help="a pass's option, e.g. --pass-option mesh-layout.constrain_activations=false (repeatable)")
+    p.add_argument("--batch-size", type=int, default=None, help="packed rows per step (default: the model family's)")
+    p.add_argument("--text-len", type=int, default=None, help="text (reasoner) tokens per packed row")
+    p.add_argument("--gen-len", type=int, default=None, help="generator tokens per packed row (Cosmos 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", default=None, help="run only these passes (comma-separated, pipeline order)")
+    p.add_argument("--disable", default="", help="skip these passes (comma-separated)")
+    p.add_argument("--dump-hlo", default=None, metavar="DIR",
+                   help="write the lowered and compiled HLO before the pipeline and after each pass")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON")
+
+
+def global_batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="rows (sequences) per optimizer step over all devices; the same as --batch-size")
+    p.add_argument("--seq", type=int, default=None, metavar="S",
+                   help="tokens per row: a decoder's sequence length; for Cosmos 3 a row's text + generator "
+                        "tokens, split in the ratio of the mix's row budget (--mix) or the family default's")

@@ -1,0 +1,153 @@
+"""`xlaopt plan`: choose the layout of a model on a cluster, for training or (analytically) serving."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from xlaopt.cli import flags
+from xlaopt.cli.requests import GlobalBatch, RowSource, request_of, write_json
+from xlaopt.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    model: str | None  # None: the --from layout's
+    overrides: tuple[str, ...]
+    topology: str
+    global_batch: GlobalBatch
+    rows: RowSource
+    target: str
+    top: int
+    exhaustive: bool
+    execution_settings: tuple[str, ...]
+    from_layout: str | None
+    out: str | None
+    rows_shown: int
+    seed: int
+    json: str | None
+    serve: str | None
+    context: int
+    text_tokens: int
+    gen_tokens: int
+    guidance: float
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="choose the layout (mesh, device order, remat, micro-batches, precision) for a "
+                                    "model on a cluster: analytic prices, the best few compiled; ranked with reasons")
+    p.add_argument("--model", default=None, help="registered model name (default: the --from layout's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--topology", required=True, help="PRESET:NODESxDEVICES (h100:16x8, cpu:1x8) or a TOML/JSON file")
+    flags.global_batch_args(p)
+    rows = p.add_mutually_exclusive_group()
+    rows.add_argument("--mix", default=None, metavar="NAME",
+                      help="Cosmos 3: price rows packed from this sample mix (default on GPUs: cosmos3-480p)")
+    rows.add_argument("--data", default=None, metavar="DIR", help="Cosmos 3: price rows packed from this store")
+    p.add_argument("--target", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="compile the best few for this target; auto: gpu for a GPU topology when xlaopt[gpu-aot] "
+                        "is installed, else cpu (simulated devices, up to 512), else analytic prices only")
+    p.add_argument("--top", type=int, default=2, metavar="K", help="compile and price the best K (default 2)")
+    p.add_argument("--exhaustive", action="store_true", help="compile every candidate that fits (slow; for testing)")
+    p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
+                   help="execution settings every candidate shares (attention, attention_block, layer_stack); remat, "
+                        "micro_batches and compute_dtype are what the planner chooses")
+    p.add_argument("--from", dest="from_layout", default=None, metavar="OLD_LAYOUT",
+                   help="re-plan: the layout a run was trained with; prints the resharding its state needs")
+    p.add_argument("--out", default=None, metavar="LAYOUT.toml", help="write the best layout's file (TOML or JSON)")
+    p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT")
+    serve = p.add_argument_group("serving (analytic: no gradients or optimizer state, the KV cache in memory)")
+    serve.add_argument("--serve", default=None, choices=("decode", "denoise"),
+                       help="plan an inference layout for a decode step (LLM, Cosmos 3's reasoner) or a Cosmos 3 "
+                            "denoising step instead of training; rows from --global-batch (default 8, denoise 1)")
+    serve.add_argument("--context", type=int, default=8192, help="decode: cached tokens a row (default 8192)")
+    serve.add_argument("--text-tokens", type=int, default=512, help="denoise: prompt tokens a row (default 512)")
+    serve.add_argument("--gen-tokens", type=int, default=7680,
+                       help="denoise: generator tokens a row (default 7680, a 480p clip of cosmos3-480p)")
+    serve.add_argument("--guidance", type=float, default=3.0,
+                       help="denoise: CFG scale; above 1 both branches run, twice the rows (default 3)")
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(request_of(PlanRequest, args, overrides=args.set, global_batch=GlobalBatch(args.global_batch, args.seq),
+                          rows=RowSource(args.data, args.mix), execution_settings=args.exec, rows_shown=args.rows))
+
+
+def run(request: PlanRequest) -> int:
+    if request.serve is not None:
+        return _serving(request)
+    # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
+    from xlaopt.planning.defaults import prepare_devices
+
+    prepare_devices(request.target, request.topology)
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.build import BatchRequest
+    from xlaopt.cli import programs
+    from xlaopt.context import PassContext
+    from xlaopt.layout import load_layout
+    from xlaopt.passes.layout_plan import LayoutPlan
+    from xlaopt.planning.defaults import plan_program
+    from xlaopt.planning.report import format_plan
+
+    old = load_layout(request.from_layout) if request.from_layout is not None else None
+    model = request.model if request.model is not None or old is None else old.model
+    if model is None:
+        raise UserError("--model is required (or --from a layout file that names its model)")
+    if old is not None:
+        old.check_model(model, request.from_layout)
+    topology = parse_topology(request.topology)
+    config = programs.config_of(model, request.overrides)
+    given = programs.global_batch(BatchRequest(), request.global_batch, config, request.rows.mix)
+    program, batch, target_note = plan_program(config, topology, target=request.target, mix=request.rows.mix,
+                                               data=request.rows.data, batch=given,
+                                               execution_settings=request.execution_settings, seed=request.seed,
+                                               old=old)
+    planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive)
+    result = planner.plan_with(program, PassContext.for_program(program, topology), batch)
+    report = result["report"]
+    report["target_note"] = target_note
+    print(format_plan(report, request.rows_shown))
+    if target_note:
+        print(f"note: {target_note}")
+    if old is not None:
+        from xlaopt.planning.replan import format_resharding, resharding
+
+        moves = resharding(old, result["layout"], config)
+        report["resharding"] = moves
+        print(format_resharding(moves))
+    if request.out:
+        from xlaopt.layout import save_layout
+
+        save_layout(result["layout"], request.out)
+        print(f"best layout written to {request.out}")
+    write_json(request.json, report)
+    return 0
+
+
+def _serving(request: PlanRequest) -> int:
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.cli import programs
+    from xlaopt.inference.sample_cosmos import check_guidance
+    from xlaopt.layout import Layout, save_layout
+    from xlaopt.planning import serving
+
+    if request.model is None:
+        raise UserError("--model is required")
+    config = programs.config_of(request.model, request.overrides)
+    topology = parse_topology(request.topology)
+    rows = request.global_batch.global_batch or (8 if request.serve == "decode" else 1)
+    if request.serve == "denoise" and check_guidance(request.guidance) != 1.0:
+        rows *= 2  # both guidance branches in one batch
+    asked = serving.Request(request.serve, rows, request.context, request.text_tokens, request.gen_tokens)
+    ranked = serving.plan_serving(config, topology, asked)
+    print(serving.format_serving(config, topology, asked, ranked))
+    best = next((p for p in ranked if not p.reason), None)
+    if best is None:
+        raise UserError(f"no serving layout of {config.name} fits {topology.name}: "
+                        f"{ranked[0].reason} at best; serve fewer rows or a shorter context, or on more devices")
+    if request.out:
+        save_layout(Layout(best.mesh, model=config.name, topology=topology.name), request.out)
+        print(f"best layout written to {request.out}")
+    write_json(request.json, {"model": config.name, "topology": topology.name, **serving.report(ranked, asked)})
+    return 0

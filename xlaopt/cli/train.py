@@ -1,0 +1,131 @@
+"""`xlaopt train`: train a model on a (simulated) device mesh, alone or as one process of a job."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from xlaopt.cli import flags
+from xlaopt.cli.requests import ProgramRequest, RowSource, request_of, write_json
+from xlaopt.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRequest:
+    program: ProgramRequest
+    rows: RowSource
+    steps: int
+    ckpt: str | None
+    ckpt_every: int | None
+    keep: int
+    keep_every: int | None
+    resume: bool
+    no_progress: bool
+    coordinator: str | None
+    num_processes: int | None
+    process_id: int | None
+    processes: int | None
+    peer_timeout: float | None
+    on_nonfinite: str
+    learning_rate: float | None
+    argv: tuple[str, ...]  # the command line, for `--processes` to start its processes with
+    started: float  # when this process started (time to first step)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model on synthetic data on a (simulated) device mesh")
+    flags.program_args(p, "bfloat16")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--data", default=None, metavar="DIR|memory",
+                   help="a sample store (`xlaopt data make DIR`) for Cosmos 3 models; default: a synthetic "
+                        "store made on first use under $XLAOPT_CACHE (~/.cache/xlaopt); `memory`: the "
+                        "in-memory synthetic stream. Decoder models train on the in-memory text stream")
+    p.add_argument("--mix", default=None, metavar="NAME",
+                   help="train on a store of this named sample mix of real shapes (xlaopt.data.mixes: cosmos3-480p, "
+                        "cosmos3-mid, cosmos3-720p), made on first use under $XLAOPT_CACHE; rows default to the (text, generator) "
+                        "budget the mix is weighted for. Not with --data")
+    p.add_argument("--skip-oversize", action="store_true",
+                   help="skip stored samples longer than a row (counted in the loader state and the summary) "
+                        "instead of stopping with an error")
+    p.add_argument("--ckpt", default=None, metavar="DIR", help="save checkpoints (state and data position) here")
+    p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
+                   help="save every K steps (default: only after the last step)")
+    p.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N checkpoints (default 3)")
+    p.add_argument("--keep-every", type=int, default=None, metavar="K",
+                   help="also keep every checkpoint whose step is a multiple of K")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt DIR, or start fresh when there is none")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="join a multi-process jax.distributed job (process 0's address; with --num-processes "
+                        "and --process-id). Each process brings mesh devices / N devices and reads its own rows")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N")
+    p.add_argument("--process-id", type=int, default=None, metavar="I")
+    p.add_argument("--processes", type=int, default=None, metavar="N",
+                   help="run as a local job of N processes (a free loopback port for the coordinator, mesh "
+                        "devices / N each), supervised and reported as one")
+    p.add_argument("--peer-timeout", type=float, default=None, metavar="S",
+                   help="in a multi-process job, stop with an error naming the culprit once no step has finished "
+                        "for S seconds (a dead, stopped or stuck process; default 60)")
+    p.add_argument("--on-nonfinite", default="stop", choices=("stop", "skip"),
+                   help="a step whose loss, gradients or updated state are not all finite: stop the run before "
+                        "saving that state (what is committed stays finite; default), or skip such steps' updates "
+                        "and count them")
+    p.add_argument("--learning-rate", type=float, default=None, metavar="LR",
+                   help="peak AdamW learning rate (default: xlaopt.program.TrainSettings')")
+    p.add_argument("--topology", default=None, help=flags.CLUSTER_HELP)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run(request_of(TrainRequest, args, program=ProgramRequest.of(args),
+                          rows=RowSource(args.data, args.mix, args.skip_oversize)))
+
+
+def run(request: TrainRequest) -> int:
+    if request.steps < 1:
+        raise UserError(f"--steps {request.steps}: need at least 1 step")
+    rate = request.learning_rate
+    if rate is not None and not (math.isfinite(rate) and rate >= 0):
+        raise UserError(f"--learning-rate {rate:g}: need a finite rate >= 0")
+    if request.processes is not None:
+        return _launch(request)
+    # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
+    import jax
+
+    from xlaopt.cli import programs
+    from xlaopt.runtime.train import CheckpointOptions, FaultOptions, format_summary, train
+
+    job = programs.Job(request.coordinator, request.num_processes, request.process_id, request.peer_timeout)
+    program, data = programs.program_on_devices(request.program, request.rows, job,
+                                                learning_rate=rate, nonfinite=request.on_nonfinite)
+    ckpt = None
+    if request.ckpt is not None:
+        if request.ckpt_every is not None and request.ckpt_every < 1:
+            raise UserError(f"--ckpt-every {request.ckpt_every}: must be a positive number of steps")
+        ckpt = CheckpointOptions(request.ckpt, request.ckpt_every, request.resume, request.keep, request.keep_every)
+    elif request.resume or request.ckpt_every is not None:
+        raise UserError("--resume and --ckpt-every need --ckpt DIR")
+    program, passes = programs.apply_pipeline(request.program, program, request.program.dump_hlo,
+                                              programs.cluster(request.program, program))
+    lead = jax.process_index() == 0  # in a multi-process job, one process reports
+    faults = FaultOptions(programs.peer_timeout(request.peer_timeout), request.started)
+    result = train(program, request.steps, progress=lead and not request.no_progress, data_dir=data, ckpt=ckpt,
+                   skip_oversize=request.rows.skip_oversize, faults=faults)
+    result["passes"] = passes
+    if lead:
+        print(result["message"] if not result["steps"] else format_summary(result))
+        write_json(request.program.json, result)
+    return 0
+
+
+def _launch(request: TrainRequest) -> int:
+    """`train --processes N`: checked here, then run as N local processes (one of them: in-process)."""
+    # Imported here, not at the top: `xlaopt --help` imports no JAX.
+    from xlaopt.cli import main, programs
+    from xlaopt.runtime import launch
+
+    launch.check_processes(request.processes, request.coordinator, programs.layout_of(request.program).mesh.num_devices)
+    argv = launch.strip_option(list(request.argv[1:]), "--processes")
+    if request.processes == 1:
+        return main(["train", *argv])
+    return launch.launch(argv, request.processes, programs.peer_timeout(request.peer_timeout))
