@@ -54,6 +54,8 @@ def test_analyze_tiny_on_h100(tiny_fsdp2, tmp_path):
     assert any(e["ph"] == "X" for e in events)
     text = format_analysis(result)
     assert "step time" in text and "MFU" in text and "fsdp" in text
+    assert result["attention"]["impl"] == result["attention"]["target_default"] == "dense"
+    assert "dense (the cpu target's default)" in text
 
 
 def test_mesh_larger_than_topology_names_both(tiny_config, capsys):
@@ -129,3 +131,29 @@ def test_analyze_float16_step(tmp_path):
     result = json.loads(out.read_text())
     assert result["compute_dtype"] == "float16" and 0 < result["mfu"] < 1
     assert any("matmuls at the float16 peak" in note for note in result["notes"])
+
+
+
+@pytest.mark.parametrize("argv, target, attention", [
+    ([], "gpu", "cudnn"),  # the planner's choice on a GPU, so the compile prices what the job would run
+    ([], "cpu", "dense"),
+    (["--exec", "attention=dense"], "gpu", "dense"),  # asked for: kept
+    (["--exec", "attention=segment"], "gpu", "segment"),
+    (["--mesh", "context=2,fsdp=4"], "gpu", "dense"),  # a split sequence, which cuDNN's attention refuses
+])
+def test_a_target_defaults_to_the_attention_the_planner_runs_there(tiny_config, argv, target, attention):
+    from xlaopt.analysis.analyze import _attention_used
+    from xlaopt.cli import build_parser, programs
+    from xlaopt.cli.requests import ProgramRequest
+
+    args = build_parser().parse_args(["analyze", "--model", "cosmos3-tiny", "--topology", "h100:1x8",
+                                      "--target", target, "--mesh", "fsdp=8", *argv])
+    request = ProgramRequest.of(args)
+    program = programs.program(request, tiny_config, programs.layout_of(request), BatchShape(8, 48, 96),
+                               target=target)
+    assert program.execution.attention == attention
+    # The report names what it priced and whether that is the target's default.
+    default = "cudnn" if target == "gpu" and not program.sequence_axes else "dense"
+    said = _attention_used({"target": target, "attention": {"impl": attention, "target_default": default}})
+    assert said.startswith(attention)
+    assert ("(the " + target + " target's default)" in said) == (attention == default), said

@@ -9,11 +9,12 @@ import os
 
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
-from xlaopt.execution import ExecutionConfig
+from xlaopt.execution import ExecutionConfig, target_attention
 from xlaopt.families import family_of
 from xlaopt.layout import Layout, load_layout
 from xlaopt.mesh import MeshSpec
 from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.sharding import sequence_axes
 from xlaopt.transforms.compiler_options import CompilerOptions
 
 _BATCH_FIELDS = ("batch_size", "text_len", "gen_len")
@@ -49,12 +50,21 @@ def choose_layout(mesh: str | MeshSpec, layout_file: str | os.PathLike | None, m
     return layout
 
 
+def default_execution(layout: Layout, target: str) -> ExecutionConfig:
+    """The execution a program on `layout` for `target` runs where nothing says otherwise: the
+    layout file's, else `ExecutionConfig()` with the target's attention (the planner's choice
+    there: cuDNN on a GPU), so a compile for the GPU prices what the job would run."""
+    if layout.execution is not None:
+        return layout.execution
+    return ExecutionConfig(attention=target_attention(target, bool(sequence_axes(layout.rules, layout.mesh))))
+
+
 def build_program(config, layout: Layout | None = None, batch: BatchShape | None = None,
                   execution: ExecutionConfig | None = None, *, seed: int = 0, learning_rate: float | None = None,
                   nonfinite: str | None = None, target: str = "cpu",
                   compiler_options: CompilerOptions | dict | None = None) -> TrainProgram:
     """The program of a model config on a layout (default: one device), with the batch (default:
-    the family's) and the execution (default: `ExecutionConfig()`); `learning_rate` and
+    the family's) and the execution (default: `default_execution`); `learning_rate` and
     `nonfinite` replace `TrainSettings`' own where given."""
     layout = layout or Layout(MeshSpec())
     settings = TrainSettings(batch=batch or family_of(config).default_batch(config), seed=seed)
@@ -63,5 +73,5 @@ def build_program(config, layout: Layout | None = None, batch: BatchShape | None
     if nonfinite is not None:
         settings = dataclasses.replace(settings, nonfinite=nonfinite)
     return TrainProgram(config, layout.mesh, rules=layout.rules, settings=settings,
-                        execution=execution or ExecutionConfig(), target=target,
+                        execution=execution or default_execution(layout, target), target=target,
                         compiler_options=compiler_options or CompilerOptions())

@@ -22,7 +22,7 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, ExecutionConfig
 from xlaopt.mesh import MeshSpec
-from xlaopt.sharding import DEFAULT_RULES, Rule, validate_rules
+from xlaopt.sharding import DEFAULT_RULES, Rule, sequence_axes, validate_rules
 
 NONFINITE = ("none", "stop", "skip")
 from xlaopt.transforms import GradTransform, HloTransform
@@ -109,7 +109,7 @@ class TrainProgram:
             raise UserError(f"execution setting attention=cudnn is JAX's cuDNN fused attention, which runs on NVIDIA "
                             f"GPUs only; the {self.target} target needs attention=segment (the same pairs skipped) "
                             f"or dense, or compile for --target gpu")
-        seq_axes = [a for logical, axes in self.rules if logical == "seq" for a in axes if self.mesh.size(a) > 1]
+        seq_axes = self.sequence_axes
         if self.execution.attention == "cudnn" and seq_axes:
             # jax 0.10.2's cuDNN attention partitioner: "Sharding on sequence dim is not allowed."
             raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
@@ -125,6 +125,10 @@ class TrainProgram:
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        return sequence_axes(self.rules, self.mesh)
 
     def with_grad_transform(self, transform: GradTransform) -> "TrainProgram":
         """The program with `transform` in place of its transform of the same kind, where it has

@@ -89,6 +89,11 @@ def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec,
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def sequence_axes(rules: Sequence[Rule], mesh: MeshSpec) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the rule table splits a row's sequence over."""
+    return tuple(a for logical, axes in rules if logical == "seq" for a in axes if mesh.size(a) > 1)
+
+
 def batch_axes(program) -> tuple[str, ...]:
     """The mesh axes the program's layout splits the batch's rows over (none before a layout)."""
     if program.shardings is None:

@@ -114,7 +114,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
                   "gen_len": program.settings.batch.gen_len},
         "data": batch.source,
         "fill": work.fill,
-        "attention": {"impl": program.execution.attention, "target_default": target_attention(target),
+        "attention": {"impl": program.execution.attention, "target_default": target_attention(target, bool(program.sequence_axes)),
                       "block": program.execution.attention_block,
                       "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
                       "pair_loop_trips_busiest_device": work.loop_trips,

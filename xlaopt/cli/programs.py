@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 from xlaopt.analysis.topology import parse_topology
-from xlaopt.build import BatchRequest, build_program, choose_layout
+from xlaopt.build import BatchRequest, build_program, choose_layout, default_execution
 from xlaopt.cli.requests import GlobalBatch, ProgramRequest, RowSource
 from xlaopt.context import PassContext
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.loader import split_budget
 from xlaopt.data.mixes import get_mix
 from xlaopt.errors import UserError
-from xlaopt.execution import ExecutionConfig, parse_execution
+from xlaopt.execution import parse_execution
 from xlaopt.families import family_of
 from xlaopt.layout import Layout
 from xlaopt.mesh import make_mesh, request_cpu_devices
@@ -74,7 +74,7 @@ def compute_dtype(request: ProgramRequest, layout: Layout) -> str:
 def program(request: ProgramRequest, config, layout: Layout, batch: BatchShape, *, target: str = "cpu",
             learning_rate: float | None = None, nonfinite: str | None = None):
     """The program of the model, layout and batch, with the request's settings."""
-    base = dataclasses.replace(layout.execution or ExecutionConfig(), compute_dtype=compute_dtype(request, layout))
+    base = dataclasses.replace(default_execution(layout, target), compute_dtype=compute_dtype(request, layout))
     return build_program(config, layout, batch, parse_execution(request.execution_settings, base),
                          seed=request.seed, learning_rate=learning_rate, nonfinite=nonfinite, target=target,
                          compiler_options=CompilerOptions.parse(request.xla_options))
