@@ -4,7 +4,7 @@ the tree, links that lead somewhere, and the README's commands run by some test.
 Which test runs each fenced command of the README:
   - Quick start, first block (install, then `xlaopt train ...`): the same training argv is run by
     tests/test_cli.py (`test_train_tiny_on_data2_fsdp2_tensor2_lowers_loss`); checked here.
-  - Quick start, second block (install, then `pytest -q`): CI's test command (`.ci/run`).
+  - Quick start, second block (install, then `pytest -q -n 2 --dist loadfile`): CI's test command (`.ci/run`).
   - "The Python API" block: tests/test_api.py (`test_the_readme_example_runs`).
   - "A first look" block: run here, each line in-process through `xlaopt.cli.main`.
 The installs themselves (`python3 -m venv ... && pip install ...`) are run by no test: CI runs
@@ -171,7 +171,7 @@ def test_quick_start_has_the_two_commands_ci_and_test_cli_run():
     blocks = _blocks(_section(README.read_text(), "Quick start"), "bash")
     assert len(blocks) == 2, "Quick start holds exactly two ```bash blocks; .ci/run runs the second"
     train, tests = (b.strip() for b in blocks)
-    assert tests.startswith("python3 -m venv .venv && ") and tests.endswith("&& pytest -q"), tests
+    assert tests.startswith("python3 -m venv .venv && ") and tests.endswith("&& pytest -q -n 2 --dist loadfile"), tests
     # The training command is the one tests/test_cli.py runs in-process.
     argv = shlex.split(train.rsplit("&& xlaopt ", 1)[1])
     cli_tests = ast.parse((ROOT / "tests" / "test_cli.py").read_text())
