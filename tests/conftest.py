@@ -26,13 +26,18 @@ from xlaopt.data.synthetic_cosmos import SyntheticCosmos  # noqa: E402
 from xlaopt.models.registry import get_config  # noqa: E402
 from xlaopt.runtime import distributed  # noqa: E402
 
-# Small enough to compile in seconds; the layout and every size still divide 8.
+# Small enough to compile in seconds; the layout and every size still divide 8. Two layers, not
+# one, so the layer stack stays a loop whose per-layer collectives the HLO tests count.
 SMALL = dict(num_layers=2)
+# One tiny size per family, used by every test unless it needs another and says why: equal
+# configs make equal programs, which compile once a run (`compile_program`, the persistent cache).
+COSMOS3_TINY = get_config("cosmos3-tiny", SMALL)
+LLAMA_TINY = get_config("llama-tiny", SMALL)
 
 
 @pytest.fixture(scope="session")
 def tiny_config():
-    return get_config("cosmos3-tiny", SMALL)
+    return COSMOS3_TINY
 
 
 @pytest.fixture(scope="session")

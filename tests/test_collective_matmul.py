@@ -24,10 +24,9 @@ from xlaopt.pipeline import pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.transforms.collective_matmul import CollectiveMatmulTransform
 
-from conftest import check_pass, needs_devices
+from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
-LLAMA = get_config("llama-tiny")
 
 
 @needs_devices(8)
@@ -57,10 +56,10 @@ def _laid_out(program, topology=None, **options):
 
 
 CASES = {  # name -> (model, mesh, batch, pass options, topology, the passes that must apply)
-    "llama-unidirectional": (LLAMA, "data=2,tensor=4", BatchShape(8, 32, 0),
+    "llama-unidirectional": (LLAMA_TINY, "data=2,tensor=4", BatchShape(8, 32, 0),
                              {"collective-matmul": {"bidirectional": False}}, None, {"collective-matmul"}),
-    "cosmos3-fsdp": (get_config("cosmos3-tiny"), "fsdp=4,tensor=2", None, {}, None, {"collective-matmul"}),
-    "cosmos3-with-hierarchical-grads": (get_config("cosmos3-tiny"), "data=4,tensor=2", None, {},
+    "cosmos3-fsdp": (COSMOS3_TINY, "fsdp=4,tensor=2", None, {}, None, {"collective-matmul"}),
+    "cosmos3-with-hierarchical-grads": (COSMOS3_TINY, "data=4,tensor=2", None, {},
                                         parse_topology("h100:2x4"), {"collective-matmul", "hierarchical-grads"}),
 }
 
@@ -92,7 +91,7 @@ def test_each_ppermute_step_meets_a_partial_matmul_in_the_layer_loop():
     of a ring of four, one ppermute each way a step: 12 collective-permutes, each received running
     sum added to a partial matmul that does not depend on it (what a GPU schedule overlaps with the
     transfer, below; XLA's CPU scheduler runs the matmuls first). Without the pass: none."""
-    program = TrainProgram(LLAMA, MeshSpec.parse("data=2,tensor=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=2,tensor=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=FP32)
     bare, _ = run_pipeline(program, select_passes(pipeline(), ["mesh-layout"]))
     comps, _ = parse(compile_program(bare).train_step.as_text())
@@ -116,11 +115,11 @@ def test_each_ppermute_step_meets_a_partial_matmul_in_the_layer_loop():
 @needs_devices(8)
 def test_the_pass_says_why_it_does_not_apply():
     def reason(mesh, **execution):
-        program = TrainProgram(LLAMA, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+        program = TrainProgram(LLAMA_TINY, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                                execution=dataclasses.replace(FP32, **execution))
         return _laid_out(program)[1]["collective-matmul"].report.get("skipped")
 
-    program = TrainProgram(LLAMA, MeshSpec.parse("tensor=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("tensor=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
     assert "off unless enabled" in {r.name: r for r in run_pipeline(program, pipeline())[1]}[
         "collective-matmul"].report["skipped"]
     assert "no tensor parallelism" in reason("data=8")

@@ -43,6 +43,24 @@ def test_an_unwritable_directory_is_refused_before_any_work(tmp_path):
     assert compile_cache.check(str(tmp_path / "new" / "dir")) == tmp_path / "new" / "dir"
 
 
+@pytest.mark.parametrize("command", [["train", "--steps", "1"], ["analyze", "--topology", "h100:1x8"],
+                                     ["plan", "--topology", "cpu:1x8"], ["generate"]])
+def test_every_compiling_command_refuses_an_unwritable_cache_in_one_line_before_any_work(tmp_path, capsys, command):
+    from xlaopt.cli import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    out = tmp_path / "out.json"
+    argv = [command[0], "--model", "llama-tiny", *command[1:], "--compile-cache", str(blocked / "jax")]
+    if command[0] != "plan" and command[0] != "generate":
+        argv += ["--json", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "cannot write there" in err and "--compile-cache off" in err, err
+    assert not out.exists()
+    assert compile_cache.directory() == compile_cache.default_directory()  # the run's cache is left as it was
+
+
 # Each run in its own process: what a restarted job sees of the last one's cache.
 _COMPILE = textwrap.dedent("""
     import sys, jax

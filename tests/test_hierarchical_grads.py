@@ -22,16 +22,14 @@ from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.runtime.verify import reference_program
 from xlaopt.transforms.hierarchical_grads import HierarchicalGradsTransform
 
-from conftest import check_pass, needs_devices
+from conftest import COSMOS3_TINY, LLAMA_TINY, SMALL, check_pass, needs_devices
 
 TOPOLOGY = parse_topology("h100:2x4")
 FP32 = ExecutionConfig(compute_dtype="float32")
-LLAMA = get_config("llama-tiny")
 # Nothing in the embedding (1001 x 198) or the norms (198) divides by a node's 4 data ranks:
 # those go whole, the rest scattered.
-ODD_LLAMA = get_config("llama-tiny", {"d_model": 198, "vocab_size": 1001, "num_heads": 6, "num_kv_heads": 3,
+ODD_LLAMA = get_config("llama-tiny", {**SMALL, "d_model": 198, "vocab_size": 1001, "num_heads": 6, "num_kv_heads": 3,
                                       "head_dim": 36})
-COSMOS = get_config("cosmos3-tiny")
 
 
 def _laid_out(program: TrainProgram, topology=TOPOLOGY):
@@ -42,7 +40,7 @@ def _laid_out(program: TrainProgram, topology=TOPOLOGY):
 @pytest.fixture(scope="module")
 def pure_dp():
     """llama-tiny, data=8 over two nodes of 4, compiled once."""
-    program = TrainProgram(LLAMA, MeshSpec.parse("data=8"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=8"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=FP32)
     laid, records = _laid_out(program)
     return program, laid, records, compile_program(laid)
@@ -60,9 +58,9 @@ def test_pure_data_parallel_gradients_equal_one_device(pure_dp):
 
 CASES = {  # name -> (model, mesh, batch, execution)
     "odd-shapes-micro-batches": (ODD_LLAMA, "data=8", BatchShape(16, 24, 0), dataclasses.replace(FP32, micro_batches=2)),
-    "cosmos3-tensor-full-remat": (COSMOS, "data=4,tensor=2", None, dataclasses.replace(FP32, remat="full")),
+    "cosmos3-tensor-full-remat": (COSMOS3_TINY, "data=4,tensor=2", None, dataclasses.replace(FP32, remat="full")),
     # fsdp splits the parameters inside the node and, with segment attention, the rows a second time.
-    "cosmos3-fsdp-segment": (COSMOS, "data=4,fsdp=2", None, dataclasses.replace(FP32, attention="segment", remat="dots")),
+    "cosmos3-fsdp-segment": (COSMOS3_TINY, "data=4,fsdp=2", None, dataclasses.replace(FP32, attention="segment", remat="dots")),
 }
 
 
@@ -93,8 +91,8 @@ def test_only_a_node_share_of_the_gradients_crosses_the_network_each_layer_insid
     assert {c.kind for c in crossing} == {"all-reduce"}
     assert sum((c.bytes - c.scalar_bytes) * c.executions for c in crossing) == grad_bytes // 4
     assert records["hierarchical-grads"].report["network_bytes"] == grad_bytes // 4
-    layer_bytes = sum(4 * a.size for a in jax.tree.leaves(params["layers"])) // LLAMA.num_layers
-    in_loop = [c for c in crossing if c.executions == LLAMA.num_layers]
+    layer_bytes = sum(4 * a.size for a in jax.tree.leaves(params["layers"])) // LLAMA_TINY.num_layers
+    in_loop = [c for c in crossing if c.executions == LLAMA_TINY.num_layers]
     assert sum(c.bytes - c.scalar_bytes for c in in_loop) == layer_bytes // 4
     inside = [c for c in found if c.link_level != network and c.mesh_axes == ("data",) and c.bytes > c.scalar_bytes]
     assert {c.kind for c in inside} == {"reduce-scatter", "all-gather"}
@@ -103,7 +101,7 @@ def test_only_a_node_share_of_the_gradients_crosses_the_network_each_layer_insid
 @needs_devices(8)
 def test_the_pass_says_why_it_does_not_apply():
     def reason(mesh, topology=TOPOLOGY):
-        program = TrainProgram(LLAMA, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
+        program = TrainProgram(LLAMA_TINY, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
         return _laid_out(program, topology)[1]["hierarchical-grads"].report.get("skipped")
 
     # HSDP: fsdp fills the node, XLA already sends only the shards across.
@@ -111,10 +109,10 @@ def test_the_pass_says_why_it_does_not_apply():
     assert "stays inside one node" in reason("data=4", parse_topology("h100:1x8"))
     assert "the nodes are unknown" in reason("data=8", None)
     assert "not split over the data axis" in reason("fsdp=8")
-    gpu = TrainProgram(LLAMA, MeshSpec.parse("data=8"), settings=TrainSettings(batch=BatchShape(8, 32, 0)), target="gpu")
+    gpu = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=8"), settings=TrainSettings(batch=BatchShape(8, 32, 0)), target="gpu")
     record = _laid_out(gpu)[1]["hierarchical-grads"]
     assert "NCCL already reduces across nodes in two levels" in record.report["skipped"]
-    program = TrainProgram(LLAMA, MeshSpec.parse("data=2,fsdp=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=2,fsdp=4"), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
     with pytest.raises(UserError, match="hierarchical-grads: each node holds one data rank"):
         run_pipeline(program, select_passes(pipeline(), only=["mesh-layout", "hierarchical-grads"]),
                      ctx=PassContext.for_program(program, TOPOLOGY, requested=["hierarchical-grads"]))

@@ -16,11 +16,9 @@ from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline, select_passes
 from xlaopt.program import TrainProgram, TrainSettings
 
-from conftest import check_pass, needs_devices
+from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
-LLAMA = get_config("llama-tiny")
-COSMOS = get_config("cosmos3-tiny")
 
 
 def _laid_out(program, topology=None):
@@ -29,10 +27,10 @@ def _laid_out(program, topology=None):
 
 
 CASES = {  # name -> (model, mesh, batch, execution, topology, the passes that must apply)
-    "llama-dense-two-groups": (LLAMA, "data=2,context=2", BatchShape(8, 32, 0), FP32, None, {"ulysses-attention"}),
-    "cosmos3-segment-tensor": (COSMOS, "data=2,tensor=2,context=2", None, dataclasses.replace(FP32, attention="segment"),
+    "llama-dense-two-groups": (LLAMA_TINY, "data=2,context=2", BatchShape(8, 32, 0), FP32, None, {"ulysses-attention"}),
+    "cosmos3-segment-tensor": (COSMOS3_TINY, "data=2,tensor=2,context=2", None, dataclasses.replace(FP32, attention="segment"),
                                None, {"ulysses-attention"}),
-    "cosmos3-with-hierarchical-grads": (COSMOS, "data=4,context=2", None, dataclasses.replace(FP32, attention="segment"),
+    "cosmos3-with-hierarchical-grads": (COSMOS3_TINY, "data=4,context=2", None, dataclasses.replace(FP32, attention="segment"),
                                         parse_topology("h100:2x4"), {"ulysses-attention", "hierarchical-grads"}),
 }
 
@@ -53,7 +51,7 @@ def test_the_layer_loop_all_to_alls_come_in_independent_head_groups():
     """llama-tiny, context=2, two head groups: the forward layer loop holds 8 all-to-alls (q, k, v
     and the output, per group), and each group's output all-to-all depends on its own group's three
     and on none of the other group's: one group's transfers can run under the other's attention."""
-    program = TrainProgram(LLAMA, MeshSpec.parse("data=2,context=2"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=2,context=2"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=FP32)
     laid, records = _laid_out(program)
     assert records["ulysses-attention"].report == {"context": 2, "chunks": 2}
@@ -79,7 +77,7 @@ def test_the_layer_loop_all_to_alls_come_in_independent_head_groups():
 @needs_devices(8)
 def test_the_pass_says_why_it_does_not_apply():
     def reason(mesh):
-        program = TrainProgram(LLAMA, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+        program = TrainProgram(LLAMA_TINY, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                                execution=FP32)
         return _laid_out(program)[1]["ulysses-attention"].report.get("skipped")
 

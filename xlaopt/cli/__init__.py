@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_counts(args)  # before any work, as the outputs: a bad value costs no compile,
         check_outputs(_command_words(args), vars(args))  # and an unwritable output cannot lose a finished run's results
+        if "compile_cache" in vars(args):  # a command that compiles (flags.compile_cache_args)
+            from xlaopt.compiler import cache as compile_cache
+
+            compile_cache.configure(args.compile_cache)  # an unwritable directory: exit 2 before any work
         return _COMMANDS[args.command](args)
     except XlaoptError as e:  # the one place an error becomes its exit status (xlaopt.errors' table)
         print(f"xlaopt {args.command}: error: {str(e).translate(_LINE_BREAKS)}", file=sys.stderr)

@@ -13,8 +13,16 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set num_layers=2 (repeatable)")
 
 
+def compile_cache_args(p: argparse.ArgumentParser) -> None:
+    """The commands that compile take it; `main` points JAX's persistent cache there first."""
+    p.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                   help="JAX's persistent compilation cache: a start or restart loads the programs an earlier run "
+                        "compiled (default: $XLAOPT_CACHE/jax-compile, else ~/.cache/xlaopt/jax-compile; off: none)")
+
+
 def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     model_args(p)
+    compile_cache_args(p)
     p.add_argument("--mesh", default="", help="mesh axes, e.g. data=2,fsdp=2,tensor=2 (size-1 axes may be omitted)")
     p.add_argument("--layout", default=None, metavar="FILE",
                    help="a layout file (TOML/JSON: mesh, device order, rules, batch, execution; see xlaopt.layout, "

@@ -12,6 +12,7 @@ def register(sub) -> None:
                                         "with the reasoner's K/V cached (timed against uncached), or text by "
                                         "KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
     flags.model_args(p)
+    flags.compile_cache_args(p)
     p.add_argument("--mesh", default="", help="mesh axes, e.g. tensor=2 or data=2,tensor=2: parameters as training "
                                               "lays them out, rows over data/fsdp (context parallel: not yet)")
     p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (e.g. from "

@@ -39,6 +39,7 @@ def register(sub) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--topology", required=True, help="PRESET:NODESxDEVICES (h100:16x8, cpu:1x8) or a TOML/JSON file")
     flags.global_batch_args(p)
+    flags.compile_cache_args(p)
     rows = p.add_mutually_exclusive_group()
     rows.add_argument("--mix", default=None, metavar="NAME",
                       help="Cosmos 3: price rows packed from this sample mix (default on GPUs: cosmos3-480p)")

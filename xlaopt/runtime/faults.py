@@ -110,10 +110,15 @@ class PeerWatch:
             if failed:
                 p = min(failed)
                 self._fail(f"process {p} failed: {failed[p]}", waited=False)
-            if self._armed and time.monotonic() - self._last > self.timeout_s:
-                self._fail(self.diagnosis())
-            # Silent that long is lost in any phase (start-up, a save's commit, the final wait),
-            # where no step is expected to finish.
+            if self._armed:
+                if time.monotonic() - self._last > self.timeout_s:
+                    self._fail(self.diagnosis())
+                # Between steps the step timeout decides, naming a silent peer: a peer stopped
+                # mid-step fell silent up to a beat before this process's last step ended, and
+                # its silence alone would otherwise race the timeout to the message.
+                continue
+            # Silent that long is lost in the phases where no step is expected to finish
+            # (start-up, a save's commit, the final wait).
             why, silent = self._diagnose(self.timeout_s)
             if silent:
                 self._fail(why, waited=False)
