@@ -191,6 +191,13 @@ class _Run:
         bar = ProgressBar(steps - self.start) if progress else None
         records, flops, tokens, saves = [], [], [], []
         if watch:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                # Processes restore, compile and open their data at their own pace (a loaded
+                # machine lags one by seconds): the step timeout counts from when all are ready.
+                # A peer lost before then is the watchdog's silence check's, which runs unarmed.
+                multihost_utils.sync_global_devices("xlaopt: the step loop starts")
             watch.arm(self.start)
         for step in range(self.start, steps):
             t_wait = time.perf_counter()
