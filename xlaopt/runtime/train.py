@@ -86,6 +86,9 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
 
 
 # Fields that were model-config fields before they became execution settings.
+# How long a process waits at the step loop's start for its slowest peer to restore and compile.
+STEP_LOOP_BARRIER_MS = 30 * 60 * 1000
+
 _FORMER_MODEL_FIELDS = ("remat", "attention_block", "attention")
 
 
@@ -192,12 +195,13 @@ class _Run:
         records, flops, tokens, saves = [], [], [], []
         if watch:
             if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
                 # Processes restore, compile and open their data at their own pace (a loaded
-                # machine lags one by seconds): the step timeout counts from when all are ready.
-                # A peer lost before then is the watchdog's silence check's, which runs unarmed.
-                multihost_utils.sync_global_devices("xlaopt: the step loop starts")
+                # machine lags one by tens of seconds): the step timeout counts from when all are
+                # ready. The coordination service's barrier, not a collective: gloo gives up on
+                # a peer that has not joined within 30 s (seen under load as "Gloo context
+                # initialization failed"). A peer lost before then is the watchdog's silence
+                # check's, which runs unarmed.
+                distributed.client().wait_at_barrier("xlaopt/step-loop-starts", STEP_LOOP_BARRIER_MS)
             watch.arm(self.start)
         for step in range(self.start, steps):
             t_wait = time.perf_counter()
