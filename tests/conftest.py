@@ -4,7 +4,15 @@ import tempfile
 
 # Default sample stores made on first use go to a per-session directory, not the user's cache.
 os.environ.setdefault("XLAOPT_CACHE", tempfile.mkdtemp(prefix="xlaopt-test-cache-"))
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite compiles for speed, not for fast code: LLVM at -O0. XLA's HLO passes are unchanged,
+# so every test reads the HLO a user's compile gives (test_hlo.py checks the text is identical);
+# a compile takes about 30% less time, and the compiled code runs about 2.5x slower, which a test
+# of a step or a few does not notice. Tests that run many steps start their commands in processes
+# of their own without these flags. (XLA:CPU's elemental emitters would compile 3.5x faster, but
+# they expand every scatter into a while loop: another HLO than the user's, priced differently.)
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS,
+                                                 "--xla_force_host_platform_device_count=8")))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -52,6 +60,14 @@ def synthetic_batch(tiny_config, batch_shape):
 
 def needs_devices(n: int):
     return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
+
+
+def command_env(devices: int | None = None, **extra: str) -> dict:
+    """The environment of a process a test starts: CPU only, the suite's fast compile, and
+    `devices` simulated devices where given (else the process asks for its own, as the CLI does
+    from its mesh)."""
+    flags = FAST_COMPILE_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
 
 
 def free_port() -> int:
@@ -107,3 +123,25 @@ def check_pass(program, topology=None, options=None, *, reference: bool = True, 
         result = compare(one_step_grads(laid), reference_grads(program), dtype)
         assert result["ok"], result
     return laid, {r.name: r for r in records}
+
+
+# The test files that take longest, longest first, as measured in a two-worker run (docs/tests.md).
+# `--dist loadfile` hands each worker the next file when it finishes one; a long file handed out
+# last runs alone on one core while the other idles, so the long ones go first.
+LONGEST_FILES = (
+    "test_faults.py", "test_verify.py", "test_cli.py", "test_layout.py", "test_stack.py", "test_hierarchical_grads.py",
+    "test_checkpoint_train.py", "test_plan.py", "test_collective_matmul.py", "test_ulysses.py", "test_attention.py",
+    "test_resnet.py", "test_hlo.py", "test_pipeline.py", "test_analyze.py", "test_api.py", "test_vit.py",
+    "test_loader.py", "test_train_process.py", "test_checkpoint_process.py", "test_generate_sharded.py",
+    "test_loss_scale.py", "test_attention_work.py", "test_sample_cosmos.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep this order, not most-tests-first
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order

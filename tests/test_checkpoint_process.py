@@ -13,10 +13,10 @@ import pytest
 
 from xlaopt.checkpoint import CheckpointManager
 
-from conftest import finish, free_port, needs_devices
+from conftest import command_env, finish, free_port, needs_devices
 
 WORKER = str(pathlib.Path(__file__).with_name("ckpt_worker.py"))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ENV = command_env(devices=8)
 
 
 def _worker(*args, env=ENV):
@@ -65,7 +65,7 @@ def test_sigkill_at_many_points_never_loses_the_last_committed_step(tmp_path):
 @pytest.mark.slow  # jax.distributed worker processes
 @needs_devices(8)
 def test_two_processes_save_one_checkpoint_that_one_process_restores(tmp_path):
-    env, port = dict(ENV, XLA_FLAGS="--xla_force_host_platform_device_count=4"), free_port()
+    env, port = command_env(devices=4), free_port()
     finish([_worker("distributed", port, i, tmp_path, env=env) for i in range(2)], 240, "DONE")
     w = _expected_and_target()
     manager = CheckpointManager(tmp_path)

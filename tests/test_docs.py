@@ -172,7 +172,7 @@ def test_quick_start_has_the_two_commands_ci_and_test_cli_run():
     assert len(blocks) == 2, "Quick start holds exactly two ```bash blocks; .ci/run runs the second"
     train, tests = (b.strip() for b in blocks)
     assert tests.startswith("python3 -m venv .venv && ") and tests.endswith("&& pytest -q -n 2 --dist loadfile"), tests
-    # The training command is the one tests/test_cli.py runs in-process.
+    # The training command is the one tests/test_cli.py runs.
     argv = shlex.split(train.rsplit("&& xlaopt ", 1)[1])
     cli_tests = ast.parse((ROOT / "tests" / "test_cli.py").read_text())
     argvs = [_leading_strings(node) for node in ast.walk(cli_tests) if isinstance(node, ast.List)]

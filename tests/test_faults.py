@@ -6,7 +6,6 @@ each time; its final state must be bit-identical to an uninterrupted run's (`ckp
 for the remaining devices: it must consume exactly the uninterrupted run's samples.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from xlaopt.data.synthetic_store import make_store
 from xlaopt.models.registry import get_config
 from xlaopt.runtime.faults import EXIT_PEER_LOST
 
-from conftest import finish, free_port
+from conftest import command_env, finish, free_port
 
 TINY = ["--model", "llama-tiny", "--set", "num_layers=1", "--set", "d_model=64", "--set", "mlp_dim=128",
         "--set", "vocab_size=256", "--mesh", "data=2", "--dtype", "float32", "--batch-size", "4", "--text-len", "32",
@@ -36,8 +35,7 @@ TIMEOUT_S = 300
 
 
 def _xlaopt(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
-    env.pop("XLA_FLAGS", None)  # each process brings the devices its share of the mesh needs
+    env = command_env(PYTHONFAULTHANDLER="1")  # each process brings the devices its share of the mesh needs
     return subprocess.Popen([sys.executable, "-m", "xlaopt.cli", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -160,8 +158,7 @@ def test_a_process_that_raises_stops_its_peers_at_once(tmp_path):
     args = ["train", *TINY, "--steps", 200, "--peer-timeout", 60, "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", 2]
     survivor = _xlaopt(*args, "--process-id", 0, "--ckpt", tmp_path / "ckpt")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = command_env()
     failing = subprocess.Popen([sys.executable, "-c", _RAISES, *map(str, args), "--process-id", "1",
                                 "--ckpt", str(tmp_path / "ckpt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)

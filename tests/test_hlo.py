@@ -1,6 +1,7 @@
 """Collectives read from compiled HLO: groups, mesh axes, link levels, and bytes that equal
 the analytic volumes (scaling-book) for data-parallel and FSDP layouts of the tiny model."""
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -16,7 +17,7 @@ from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
 from xlaopt.step import abstract_params_with_axes
 
-from conftest import needs_devices
+from conftest import COSMOS3_TINY, needs_devices
 
 
 @pytest.mark.parametrize("attrs, groups", [
@@ -227,3 +228,16 @@ def test_cli_inspect_reports_collectives_by_axis_and_link(tmp_path, capsys):
     assert report["memory_per_device_bytes"]["arguments"] > 0 and report["comm_by_axis"]["fsdp"] > 0
     assert "all-gather" in capsys.readouterr().out
     assert main(["inspect", "--model", "llama-tiny", "--mesh", "data=8", "--topology", "h100:1x4"]) == 2
+
+
+@needs_devices(8)
+def test_the_suites_fast_compile_reads_the_users_hlo():
+    """conftest compiles at LLVM -O0 (FAST_COMPILE_FLAGS) and every HLO test reads that compile:
+    its optimised, scheduled HLO must be the default level's (3 on jax 0.10.2, as a process without
+    XLA_FLAGS reads `jax._src.compiler.get_compile_options`), line for line; only the module's
+    name line, which carries no instructions, may differ."""
+    program, fast = _compiled(COSMOS3_TINY, "data=2,fsdp=2,tensor=2")
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+    default = compile_program(program).lowered.compile({"xla_backend_optimization_level": 3}).as_text()
+    body = lambda text: [line for line in text.splitlines() if not line.startswith("HloModule ")]
+    assert body(fast) == body(default) and " while(" in fast and "all-gather" in fast

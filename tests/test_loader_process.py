@@ -2,7 +2,6 @@
 their own rows, stop mid-epoch and checkpoint; one process restores that checkpoint and goes
 on. Together they must produce exactly what one uninterrupted process does."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,11 +18,11 @@ from xlaopt.data.synthetic_store import make_store
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import loader_worker as w  # noqa: E402
 
-from conftest import finish, free_port  # noqa: E402
+from conftest import command_env, finish, free_port  # noqa: E402
 
 WORKER = str(pathlib.Path(__file__).with_name("loader_worker.py"))
 # Two devices per process: each holds one row of a process's half of the batch.
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+ENV = command_env(devices=2)
 SAMPLES = 200  # about six batches an epoch: STOP lies mid-epoch 0, TOTAL ends in epoch 1
 STOP, TOTAL = 3, 8
 TIMEOUT_S = 120

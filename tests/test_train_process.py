@@ -3,7 +3,6 @@ bringing half the mesh's devices and reading only its own rows of every batch, t
 checkpoint mid-epoch; one process resumes from that checkpoint on the whole mesh. Losses and
 the data position must be those of one uninterrupted single-process run."""
 import json
-import os
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 from xlaopt.data.synthetic_store import make_store
 from xlaopt.models.registry import get_config
 
-from conftest import finish, free_port
+from conftest import command_env, finish, free_port
 
 MODEL = ["--model", "cosmos3-tiny", "--set", "num_layers=2", "--mesh", "data=2,fsdp=2,tensor=2",
          "--dtype", "float32", "--batch-size", "4", "--no-progress"]
@@ -25,10 +24,9 @@ LOSS_RTOL = 1e-5
 
 
 def _train(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)  # each process brings the devices the flags ask for
+    # each process brings the devices its share of the mesh needs
     return subprocess.Popen([sys.executable, "-m", "xlaopt.cli", "train", *MODEL, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=command_env())
 
 
 @pytest.mark.slow  # three `xlaopt train` processes, two of them a jax.distributed job
