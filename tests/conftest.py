@@ -62,11 +62,12 @@ def needs_devices(n: int):
     return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
 
 
-def command_env(devices: int | None = None, **extra: str) -> dict:
-    """The environment of a process a test starts: CPU only, the suite's fast compile, and
-    `devices` simulated devices where given (else the process asks for its own, as the CLI does
-    from its mesh)."""
-    flags = FAST_COMPILE_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
+def command_env(devices: int | None = None, fast_compile: bool = True, **extra: str) -> dict:
+    """The environment of a process a test starts: CPU only, the suite's fast compile (unless
+    `fast_compile=False`: compiled as a user's is), and `devices` simulated devices where given
+    (else the process asks for its own, as the CLI does from its mesh)."""
+    flags = (FAST_COMPILE_FLAGS if fast_compile else "") + (
+        f" --xla_force_host_platform_device_count={devices}" if devices else "")
     return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
 
 

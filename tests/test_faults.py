@@ -35,7 +35,10 @@ TIMEOUT_S = 300
 
 
 def _xlaopt(*args):
-    env = command_env(PYTHONFAULTHANDLER="1")  # each process brings the devices its share of the mesh needs
+    # Each process brings the devices its share of the mesh needs. Compiled as a user's: with the
+    # suite's -O0 the killed-and-resumed job once ended bit-different from the reference (a clean
+    # clone's CI, 2026-12-03), not yet understood.
+    env = command_env(fast_compile=False, PYTHONFAULTHANDLER="1")
     return subprocess.Popen([sys.executable, "-m", "xlaopt.cli", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -158,7 +161,7 @@ def test_a_process_that_raises_stops_its_peers_at_once(tmp_path):
     args = ["train", *TINY, "--steps", 200, "--peer-timeout", 60, "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", 2]
     survivor = _xlaopt(*args, "--process-id", 0, "--ckpt", tmp_path / "ckpt")
-    env = command_env()
+    env = command_env(fast_compile=False)
     failing = subprocess.Popen([sys.executable, "-c", _RAISES, *map(str, args), "--process-id", "1",
                                 "--ckpt", str(tmp_path / "ckpt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)
