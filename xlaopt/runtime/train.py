@@ -85,10 +85,10 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
                                   f"resume needs the same {key}")
 
 
-# Fields that were model-config fields before they became execution settings.
 # How long a process waits at the step loop's start for its slowest peer to restore and compile.
 STEP_LOOP_BARRIER_MS = 30 * 60 * 1000
 
+# Fields that were model-config fields before they became execution settings.
 _FORMER_MODEL_FIELDS = ("remat", "attention_block", "attention")
 
 
