@@ -4,14 +4,11 @@ import tempfile
 
 # Default sample stores made on first use go to a per-session directory, not the user's cache.
 os.environ.setdefault("XLAOPT_CACHE", tempfile.mkdtemp(prefix="xlaopt-test-cache-"))
-# The suite compiles for speed, not for fast code: LLVM at -O0. XLA's HLO passes are unchanged,
-# so every test reads the HLO a user's compile gives (test_hlo.py checks the text is identical);
-# a compile takes about 30% less time, and the compiled code runs about 2.5x slower, which a test
-# of a step or a few does not notice. Tests that run many steps start their commands in processes
-# of their own without these flags. (XLA:CPU's elemental emitters would compile 3.5x faster, but
-# they expand every scatter into a while loop: another HLO than the user's, priced differently.)
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), FAST_COMPILE_FLAGS,
+# The suite compiles for speed and reads a user's compile wherever it reads one (suite_compile.py).
+import suite_compile  # noqa: E402
+
+os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), suite_compile.LLVM_O0,
+                                                 suite_compile.ELEMENTAL_EMITTERS,
                                                  "--xla_force_host_platform_device_count=8")))
 
 import jax  # noqa: E402
@@ -22,6 +19,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # need the plugin registered without a driver, and the tests' meshes are simulated CPU devices.
 jax.config.update("jax_platforms", "cpu")
 jax.devices()  # start the backend now so no later call can change the device count
+suite_compile.install()
 
 from xlaopt.compiler import cache as compile_cache  # noqa: E402
 
@@ -62,13 +60,20 @@ def needs_devices(n: int):
     return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
 
 
-def command_env(devices: int | None = None, fast_compile: bool = True, **extra: str) -> dict:
-    """The environment of a process a test starts: CPU only, the suite's fast compile (unless
-    `fast_compile=False`: compiled as a user's is), and `devices` simulated devices where given
-    (else the process asks for its own, as the CLI does from its mesh)."""
-    flags = (FAST_COMPILE_FLAGS if fast_compile else "") + (
+def command_env(devices: int | None = None, fast_compile: bool = True, cpu_only: bool = True,
+                **extra: str) -> dict:
+    """The environment of a process a test starts: CPU only (unless `cpu_only=False`: the process
+    picks its platform as a user's does), LLVM at -O0 (unless `fast_compile=False`: compiled as a
+    user's is; not the emitters: see suite_compile.py), and `devices` simulated devices where
+    given (else the process asks for its own, as the CLI does from its mesh)."""
+    flags = (suite_compile.LLVM_O0 if fast_compile else "") + (
         f" --xla_force_host_platform_device_count={devices}" if devices else "")
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)
+    env = dict(os.environ, XLA_FLAGS=flags, **extra)
+    if cpu_only:
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env.pop("JAX_PLATFORMS", None)
+    return env
 
 
 def free_port() -> int:

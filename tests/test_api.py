@@ -1,5 +1,4 @@
 """The Python API: `import xlaopt` starts no JAX, and the README's example runs as written."""
-import os
 import pathlib
 import re
 import subprocess
@@ -7,16 +6,15 @@ import sys
 
 import pytest
 
-from conftest import FAST_COMPILE_FLAGS
+from conftest import command_env
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _fresh(code: str, timeout: int = 900) -> subprocess.CompletedProcess:
     """`code` in a new interpreter: the simulated device count is the script's own to set."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # the suite's; no device count
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=command_env(cpu_only=False))
 
 
 def test_import_starts_no_jax():

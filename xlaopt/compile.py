@@ -35,6 +35,9 @@ from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step
 
 # Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
 _SCALE_PREFIX = "loss_scale/"
+# Named in a transformed program's `xla_disable_hlo_passes` (no pass is called so): the compile
+# options, and so the persistent cache's key, differ from the untransformed program's.
+HLO_TRANSFORM_MARKER = "xlaopt-hlo-transform-"
 
 
 class CompiledProgram:
@@ -155,7 +158,7 @@ class CompiledProgram:
         options = dict(program.compiler_options)
         if program.hlo_transforms:
             _check_transforms_run(program, self.mesh)
-            marker = ",".join(f"xlaopt-hlo-transform-{t.fingerprint()[:16]}" for t in program.hlo_transforms)
+            marker = ",".join(f"{HLO_TRANSFORM_MARKER}{t.fingerprint()[:16]}" for t in program.hlo_transforms)
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (str(options.get("xla_disable_hlo_passes", "")),
                                                                         marker)))
         with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform), \
