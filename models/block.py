@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from xlaopt.models import remat
 from xlaopt.models.layers import Mlp, RMSNorm, constrain, param, reduce_matmul
 from xlaopt.models.mrope import apply_rope
 
@@ -41,10 +43,11 @@ class TransformerBlock(nn.Module):
     def qkv(self, x_BLD, cos_BLK=None, sin_BLK=None):
         """Rotated queries and keys (unrotated without a rotary table: models with learned
         positions), values; plus the side keys (`side_key_norm`) or the keys again."""
-        h_BLD = self.attn_norm(x_BLD)
-        q_BLHK = jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype))
-        raw_k_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype))
-        v_BLNK = jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype))
+        h_BLD = checkpoint_name(self.attn_norm(x_BLD), remat.ATTENTION_NORM)
+        q_BLHK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype)), remat.QUERY)
+        raw_k_BLNK = checkpoint_name(jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype)),
+                                     remat.KEY)
+        v_BLNK = checkpoint_name(jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype)), remat.VALUE)
         k_BLNK = raw_k_BLNK
         if self.qk_norm:
             q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(raw_k_BLNK)
@@ -57,7 +60,8 @@ class TransformerBlock(nn.Module):
 
     def finish(self, x_BLD, attn_BLHK):
         """Output projection and MLP, each with its residual."""
-        x_BLD = x_BLD + reduce_matmul("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype), 2, 0)
-        x_BLD = constrain(x_BLD, ("batch", "seq", "act_embed"))
-        x_BLD = x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        attn_BLHK = checkpoint_name(attn_BLHK, remat.CONTEXT)
+        out_BLD = reduce_matmul("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype), 2, 0)
+        x_BLD = constrain(x_BLD + checkpoint_name(out_BLD, remat.OUT), ("batch", "seq", "act_embed"))
+        x_BLD = x_BLD + self.mlp(checkpoint_name(self.mlp_norm(x_BLD), remat.MLP_NORM))
         return constrain(x_BLD, ("batch", "seq", "act_embed"))

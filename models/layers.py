@@ -20,7 +20,9 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from xlaopt.models import remat
 from xlaopt.models.tracing import installed
 
 # Activation constraints are installed by whoever traces the model (the training program's
@@ -181,13 +183,14 @@ class Mlp(nn.Module):
         D, F = self.d_model, self.mlp_dim
         up_DF = param(self, "up_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
         down_FD = param(self, "down_FD", (F, D), ("mlp", "embed")).astype(self.dtype)
-        up_BLF = jnp.einsum("bld,df->blf", x_BLD, up_DF)
-        if self.activation == "swiglu":
+        gated = self.activation == "swiglu"
+        up_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, up_DF), remat.MLP_UP if gated else remat.MLP_IN)
+        if gated:
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
-            h_BLF = nn.silu(jnp.einsum("bld,df->blf", x_BLD, gate_DF)) * up_BLF
+            h_BLF = nn.silu(checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, gate_DF), remat.MLP_GATE)) * up_BLF
         elif self.activation == "relu2":
             h_BLF = jnp.square(nn.relu(up_BLF))
         else:  # gelu (GPT, MPT)
             h_BLF = nn.gelu(up_BLF)
-        h_BLF = constrain(h_BLF, ("batch", "seq", "act_mlp"))
-        return reduce_matmul("blf,fd->bld", h_BLF, down_FD, 2, 0)
+        h_BLF = checkpoint_name(constrain(h_BLF, ("batch", "seq", "act_mlp")), remat.MLP_HIDDEN)
+        return checkpoint_name(reduce_matmul("blf,fd->bld", h_BLF, down_FD, 2, 0), remat.MLP_OUT)

@@ -13,8 +13,8 @@ A gradient rewrite may hook each layer's parameters as the layer reads them
 (`layer_params_through`): a hook `(params_i, path) -> params_i` that is the identity forward and
 acts on the layer's parameter gradients in its backward, so whatever it does runs inside the
 backward loop right after that layer's backward (`path`: the stack's parameter path).
-A recomputation policy (`REMAT_POLICIES`) wraps `layer_fn` in `jax.checkpoint`; each name maps
-to one `jax.checkpoint_policies` entry here and nowhere else.
+A recomputation policy (`xlaopt.models.remat.REMAT_POLICIES`: what a layer keeps, by name) wraps
+`layer_fn` in `jax.checkpoint`.
 """
 from __future__ import annotations
 
@@ -25,17 +25,8 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
+from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.tracing import installed
-
-# "none": keep every activation; "full": keep only each layer's input, recompute the rest in
-# the backward pass; "dots": keep matmul outputs, recompute elementwise work;
-# "dots_no_batch": keep only matmuls without batch dimensions (weights x activations).
-REMAT_POLICIES: dict[str, Callable | None] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
 LayerFn = Callable[..., Any]  # (params_i, carry, *args) -> carry
 
@@ -79,11 +70,12 @@ class StackSpec:
             raise ValueError(f"remat {self.remat!r}; use one of {', '.join(REMAT_POLICIES)}")
 
     def wrap(self, layer_fn: LayerFn) -> LayerFn:
-        if self.remat == "none":
+        policy = REMAT_POLICIES[self.remat]
+        if not policy.checkpointed:
             return layer_fn
         # Under scan the loop boundary already stops XLA from merging the recomputation into
         # the forward pass; unrolled layers need the CSE barrier.
-        return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.remat], prevent_cse=self.strategy != "scan")
+        return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=self.strategy != "scan")
 
 
 class LayerStack(nn.Module):

@@ -21,7 +21,8 @@ from xlaopt.errors import UserError
 from xlaopt.models.attention import ATTENTION, AttentionSpec
 from xlaopt.models.cudnn_attention import MAX_SEGMENTS
 from xlaopt.models.registry import parse_assignments
-from xlaopt.models.stack import REMAT_POLICIES, STRATEGIES, StackSpec
+from xlaopt.models.remat import REMAT_POLICIES
+from xlaopt.models.stack import STRATEGIES, StackSpec
 
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -41,7 +42,7 @@ def target_attention(target: str, splits_sequence: bool = False) -> str:
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
     compute_dtype: str = "bfloat16"
-    remat: str = "none"  # a policy of `xlaopt.models.stack.REMAT_POLICIES`
+    remat: str = "none"  # a policy of `xlaopt.models.remat.REMAT_POLICIES`
     attention: str = "dense"  # an implementation of `xlaopt.models.attention.ATTENTION`
     attention_block: int = 512  # keys per block of the blockwise attention
     attention_max_segments: int = MAX_SEGMENTS  # attention=cudnn: samples a row may hold (a static shape of the step)

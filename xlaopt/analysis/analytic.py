@@ -39,6 +39,7 @@ import functools
 
 from xlaopt.analysis import costmodel as cm
 from xlaopt.analysis.topology import Topology
+from xlaopt.models import remat
 
 _BF16_BYTES = 2
 # AdamW on fp32 master weights: read param, grad, m, v (16 B), write param, m, v (12 B),
@@ -181,14 +182,23 @@ class Software:
     grad_reduce_bytes: int = 2  # bytes per gradient element reduced
     fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
 
-    # "selective-op": TorchTitan's per-op SAC; "minimal": MaxText's; "selective-megatron": Megatron's
-    # selective recomputation (Korthikanti et al. 2022), the core attention only; "dots": JAX's
-    # `dots_saveable` (xlaopt's remat=dots), matmul outputs kept, the rest recomputed.
-    RECOMPUTE = ("none", "full", "selective-op", "minimal", "selective-megatron", "dots")
+    # "selective-op": TorchTitan's per-op SAC; "selective-megatron": Megatron's selective
+    # recomputation (Korthikanti et al. 2022), the core attention only; "dots": JAX's
+    # `dots_saveable` (xlaopt's remat=dots), matmul outputs kept, the rest recomputed. Besides
+    # these, every named policy of `xlaopt.models.remat` (MaxText's among them), priced from the
+    # activations it saves.
+    RECOMPUTE = ("none", "full", "selective-op", "selective-megatron", "dots")
 
     def __post_init__(self):
-        if self.recompute not in self.RECOMPUTE:
-            raise ValueError(f"recompute={self.recompute!r}; use one of {self.RECOMPUTE}")
+        if not priced_recompute(self.recompute):
+            names = (*self.RECOMPUTE, *(n for n in remat.REMAT_POLICIES if priced_recompute(n)))
+            raise ValueError(f"recompute={self.recompute!r}; use one of {names}")
+
+
+def priced_recompute(recompute: str) -> bool:
+    """Whether `recompute` is a kind of `Software.RECOMPUTE` or a named policy of `xlaopt.models.remat`."""
+    policy = remat.REMAT_POLICIES.get(recompute)
+    return recompute in Software.RECOMPUTE or (policy is not None and policy.saves is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,8 +228,6 @@ def recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, flo
         # for SwiGLU), saves SDPA, recomputes the elementwise ops.
         weights = shape.layer_matmuls()
         return sum(weights[1::2]) / sum(weights), 0.0, 1.0
-    if recompute == "minimal":  # MaxText minimal(_flash): all dots and attention saved
-        return 0.0, 0.0, 1.0
     if recompute == "selective-megatron":
         # Megatron-Core checkpoints the core attention (QK^T, softmax, dropout, attention over V)
         # whatever its kernel: with flash attention that saves almost no memory (the kernel keeps
@@ -233,7 +241,25 @@ def recompute_fractions(shape: DecoderShape, recompute: str) -> tuple[float, flo
         # dots_saveable keeps what `dot_general` produced; a fused attention kernel (cuDNN's custom
         # call) is not one, so its forward reruns with the elementwise ops.
         return 0.0, 1.0, 1.0
-    return 0.0, 0.0, 0.0
+    if recompute in Software.RECOMPUTE:  # none
+        return 0.0, 0.0, 0.0
+    return _named_fractions(shape, remat.REMAT_POLICIES[recompute].saves)
+
+
+def _named_fractions(shape: DecoderShape, saves: frozenset[str]) -> tuple[float, float, float]:
+    """A named policy's fractions from what it saves: each projection whose output the backward
+    reads and the policy does not save runs again (the MLP's down projection never: its output
+    only joins the residual sum); the attention runs again unless its output is saved (its
+    internals never are; a flash kernel's backward redoes them anyway, as in the un-recomputed
+    price); the elementwise work runs again unless the norms' and the activation's outputs are
+    saved (Megatron's selective)."""
+    mlp = (remat.MLP_GATE, remat.MLP_UP) if shape.mlp == "swiglu" else (remat.MLP_IN,)
+    read = (remat.QUERY, remat.KEY, remat.VALUE, remat.OUT, *mlp)
+    weights = shape.layer_matmuls()  # in call order: q, k, v, o, the MLP's inputs, its down projection
+    linear = sum(w for name, w in zip(read, weights) if name not in saves) / sum(weights)
+    attention = 0.0 if remat.CONTEXT in saves else 1.0
+    elementwise = 0.0 if {remat.ATTENTION_NORM, remat.MLP_NORM, remat.MLP_HIDDEN} <= saves else 1.0
+    return linear, attention, elementwise
 
 
 @dataclasses.dataclass(frozen=True)

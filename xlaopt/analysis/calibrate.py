@@ -34,10 +34,11 @@ import pathlib
 import numpy as np
 
 from xlaopt.analysis import costmodel as cm
-from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
+from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step, priced_recompute
 from xlaopt.analysis.efficiency_fit import FIT_START, minimise
 from xlaopt.analysis.topology import Topology, TopologyError, preset
 from xlaopt.errors import UserError
+from xlaopt.models import remat
 
 REQUIRED_COLUMNS = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "model", "layers", "d_model", "heads",
                     "kv_heads", "ffn", "vocab", "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp",
@@ -227,7 +228,7 @@ def software_for(run: Run) -> Software | str:
     if traits.get("tp_overlap", False) is None:
         traits["tp_overlap"] = "async" in fw
     recompute = recompute_for(run)
-    if recompute not in Software.RECOMPUTE:
+    if not priced_recompute(recompute):  # why it cannot be priced
         return recompute
     return Software(recompute=recompute, fp8_linear=run.precision.lower().startswith("fp8"), **traits)
 
@@ -244,8 +245,10 @@ def recompute_for(run: Run) -> str:
         return "full"
     if "per-op" in ckpt:
         return "selective-op"
-    if "minimal" in ckpt:
-        return "minimal"
+    named = ckpt.removeprefix("remat=").strip()  # a policy by name (MaxText's remat_policy among them)
+    policy = remat.REMAT_POLICIES.get(named)
+    if policy is not None and policy.saves is not None:
+        return named
     if "core attention" in ckpt or "core_attn" in ckpt:
         return "selective-megatron"
     if "selective" in ckpt:

@@ -28,9 +28,10 @@ compiled on CPU would not:
   `cpu_fixups`, which does not cover this case yet).
 
 What the compiled step still cannot show (reported per row in `approximations`):
-recomputation is compiled as the execution setting `remat` ("full" or "none"), so TorchTitan's per-op policy and
-MaxText's "minimal" compile without recomputation, and XLA's full remat leaves out the MLP down
-projection; xlaopt's rule table has no sequence parallelism; XLA fuses elementwise ops, so eager
+recomputation compiles as the row's named policy (`xlaopt.models.remat`: MaxText's by name,
+TorchTitan's per-op as selective_op, Megatron's selective as selective_megatron, which keeps the
+attention's output where Megatron reruns the core attention), and XLA's full remat leaves out the
+MLP down projection; xlaopt's rule table has no sequence parallelism; XLA fuses elementwise ops, so eager
 PyTorch's extra memory traffic is absent; a `dp` axis replicates optimizer state where Megatron
 shards it. And what the CPU target adds: no async collectives, so all communication is exposed
 (the analytic model overlaps FSDP and data-parallel traffic with compute; `comm_s` in the
@@ -52,6 +53,8 @@ from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 
 # Each `attention` choice of `compile_step` as the execution setting `attention` it compiles.
 ATTENTION = {"kernel": "io_only", "xla": "dense"}
+# The analytic model's recomputation kinds as xlaopt's named policies (the others are names already).
+_REMAT = {"selective-op": "selective_op", "selective-megatron": "selective_megatron"}
 # AdamW, the global-norm clip and the step counter run outside value_and_grad: their ops carry
 # neither the forward's `jvp(` nor the backward's `transpose(` in their JAX name stack.
 _GRAD_SCOPES = ("jvp(", "transpose(")
@@ -82,11 +85,10 @@ def approximations(priced) -> list[str]:
     """What the compiled step of `priced` leaves out of how the row ran (see the module docstring)."""
     sw, layout = priced.software, priced.run.layout
     notes = []
-    if sw.recompute in ("selective-op", "minimal"):
-        notes.append(f"recompute {sw.recompute!r} compiled as none: the decoder remats whole layers or nothing")
     if sw.recompute == "selective-megatron":
-        notes.append("recompute 'selective-megatron' compiled as none (the decoder remats whole layers or "
-                     "nothing); the attention kernel's recomputed forward is priced with the kernel")
+        notes.append("recompute 'selective-megatron' compiled as the policy selective_megatron, which keeps the "
+                     "attention's output where Megatron reruns the core attention; the kernel's recomputed forward "
+                     "is priced with the kernel")
     if sw.recompute == "full":
         notes.append("full recompute compiled as XLA's remat, which skips the MLP down projection (the backward "
                      "needs only its input); the analytic model recomputes the whole forward")
@@ -116,7 +118,7 @@ def execution_for(recompute: str, attention: str):
     `ATTENTION`)."""
     from xlaopt.execution import ExecutionConfig
 
-    return ExecutionConfig(remat="full" if recompute == "full" else "none", attention=ATTENTION[attention])
+    return ExecutionConfig(remat=_REMAT.get(recompute, recompute), attention=ATTENTION[attention])
 
 
 def mesh_for(layout) -> MeshSpec:

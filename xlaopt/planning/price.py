@@ -13,7 +13,8 @@ Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
   weights    the compute-dtype copy of two layers in flight (FSDP prefetch): 2 x 2 B x layer params / tp,
              whole when not FSDP-sharded (the cast copy of the whole model);
   saved      what each layer keeps for backward, per token: `remat=full` its input (d), `dots` the
-             matmul outputs, `none` every activation, times the layers and the micro-batch's tokens;
+             matmul outputs, `none` every activation, a named policy its input and the activations
+             it names, times the layers and the micro-batch's tokens;
              traced from the program's jaxpr where the planner has it (`residuals`: without
              recomputation autodiff keeps ~2x what the shape's formula counts), the formula
              saying how tensor parallelism divides it;
@@ -30,9 +31,8 @@ import dataclasses
 from xlaopt.analysis import analytic, costmodel as cm
 from xlaopt.analysis.topology import Topology
 from xlaopt.data.batch import BatchShape
+from xlaopt.models import remat
 from xlaopt.planning.space import Candidate
-
-_RECOMPUTE = {"none": "none", "dots": "dots", "full": "full"}  # remat policy -> the analytic model's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class AnalyticPrice:
 
 
 def software(candidate: Candidate, target: str) -> analytic.Software:
-    return analytic.Software(fused_elementwise=True, recompute=_RECOMPUTE[candidate.remat], sequence_parallel=False,
+    return analytic.Software(fused_elementwise=True, recompute=candidate.remat, sequence_parallel=False,
                              tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
                              param_gather_bytes=4, grad_reduce_bytes=4)
 
@@ -67,13 +67,31 @@ def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape,
 def saved_per_token_layer(shape: analytic.DecoderShape, tp: int, compute: int) -> dict[str, float]:
     """Bytes one layer keeps per token for backward, by remat policy, from the shape: the
     attention block (norm, q, k, v, attention out, o) and the MLP (norm, up (+gate),
-    activation, down) in the compute dtype; `dots` the matmul outputs; `full` the layer input."""
+    activation, down) in the compute dtype; `dots` (and `dots_no_batch`: the attention's own
+    dots are counted apart) the matmul outputs; `full` the layer input; a named policy the layer
+    input and the named activations it saves that the backward reads (`named_elements`)."""
     d, dh = shape.d_model, shape.head_dim
     heads, kv, ffn = shape.heads / tp, shape.kv_heads / tp, shape.ffn / tp
     mlp_matrices = 3 if shape.mlp == "swiglu" else 2
     every = compute * (2 * d + heads * dh + 2 * kv * dh + heads * dh + d + mlp_matrices * ffn + ffn + d)
     dots = compute * (heads * dh + 2 * kv * dh + d + (mlp_matrices - 1) * ffn + d)
-    return {"none": every, "dots": dots, "full": compute * d}
+    saved = {"none": every, "dots": dots, "dots_no_batch": dots, "full": compute * d}
+    elements = named_elements(shape, tp)
+    for name, policy in remat.REMAT_POLICIES.items():
+        if policy.saves is not None:
+            saved[name] = compute * (d + sum(elements.get(n, 0.0) for n in policy.saves))
+    return saved
+
+
+def named_elements(shape: analytic.DecoderShape, tp: int) -> dict[str, float]:
+    """Elements per token of each named activation a layer's backward reads (`xlaopt.models.remat`;
+    the MLP's output is not one), on one of `tp` tensor ranks (activations between the
+    projections are whole on each: no sequence parallelism)."""
+    d, dh = shape.d_model, shape.head_dim
+    heads, kv, ffn = shape.heads / tp, shape.kv_heads / tp, shape.ffn / tp
+    mlp_in = {remat.MLP_GATE: ffn, remat.MLP_UP: ffn} if shape.mlp == "swiglu" else {remat.MLP_IN: ffn}
+    return {remat.ATTENTION_NORM: d, remat.QUERY: heads * dh, remat.KEY: kv * dh, remat.VALUE: kv * dh,
+            remat.CONTEXT: heads * dh, remat.OUT: d, remat.MLP_NORM: d, **mlp_in, remat.MLP_HIDDEN: ffn}
 
 
 def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, dense_attention: bool,
@@ -91,7 +109,7 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     saved = formula
     if traced is not None:
         whole = saved_per_token_layer(shape, 1, compute)
-        saved = {r: traced[r] * formula[r] / whole[r] for r in formula}
+        saved = {**formula, **{r: traced[r] * formula[r] / whole[r] for r in traced}}
     # While one layer runs backward: its activations as matmuls consume them (recomputed or
     # saved, XLA fuses the elementwise work between) and the MLP input gradients beside them.
     mlp_inputs = 2 if shape.mlp == "swiglu" else 1
