@@ -133,14 +133,14 @@ def check_pass(program, topology=None, options=None, *, reference: bool = True, 
 
 # The test files that take longest, longest first, as measured in a two-worker run (docs/tests.md).
 # `--dist loadfile` hands each worker the next file when it finishes one; a long file handed out
-# last runs alone on one core while the other idles, so the long ones go first.
+# last runs alone on one core while the other idles, so the long ones go first. (The order of the
+# two fastest runs measured; docs/tests.md.)
 LONGEST_FILES = (
-    "test_faults.py", "test_verify.py", "test_hierarchical_grads.py", "test_plan.py", "test_checkpoint_train.py",
-    "test_train_process.py", "test_cli.py", "test_hlo.py", "test_pipeline.py", "test_ulysses.py",
-    "test_generate_sharded.py", "test_analyze.py", "test_layout.py", "test_stack.py", "test_resnet.py",
-    "test_collective_matmul.py", "test_attention.py", "test_api.py", "test_vit.py", "test_remat.py",
-    "test_checkpoint_process.py", "test_loader.py", "test_attention_work.py", "test_loss_scale.py",
-    "test_sample_cosmos.py",
+    "test_faults.py", "test_verify.py", "test_cli.py", "test_layout.py", "test_stack.py", "test_hierarchical_grads.py",
+    "test_checkpoint_train.py", "test_plan.py", "test_collective_matmul.py", "test_ulysses.py", "test_attention.py",
+    "test_resnet.py", "test_hlo.py", "test_pipeline.py", "test_analyze.py", "test_api.py", "test_vit.py",
+    "test_remat.py", "test_loader.py", "test_train_process.py", "test_checkpoint_process.py",
+    "test_generate_sharded.py", "test_loss_scale.py", "test_attention_work.py", "test_sample_cosmos.py",
 )
 
 
