@@ -19,6 +19,8 @@ redirects their reads.
 """
 from __future__ import annotations
 
+import functools
+
 # Constants only at import: conftest puts the flags into XLA_FLAGS before JAX starts.
 LLVM_O0 = "--xla_backend_optimization_level=0"
 ELEMENTAL_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
@@ -34,23 +36,20 @@ def install() -> None:
 
     from xlaopt.compile import HLO_TRANSFORM_MARKER
 
-    compile_fast = _original["compile"] = jax.stages.Lowered.compile
+    lowered_compile = _original["compile"] = jax.stages.Lowered.compile
     _original.update((name, getattr(jax.stages.Compiled, name)) for name in _READS)
 
     def compile_fast_read_users(self, compiler_options=None, *, device_assignment=None):
-        compiled = compile_fast(self, compiler_options, device_assignment=device_assignment)
+        compiled = lowered_compile(self, compiler_options, device_assignment=device_assignment)
         if "cpu" not in self._lowering._platforms:  # a deviceless GPU compile: the flags are not its
             return compiled
         users = dict(compiler_options or {}, **USERS_EMITTERS)
-
-        def compile_users():
-            return compile_fast(self, users, device_assignment=device_assignment)
-
+        compiled._suite_users = functools.cache(
+            lambda: lowered_compile(self, users, device_assignment=device_assignment))
         # An HLO transform is registered with XLA only while its program compiles (xlaopt.compile),
         # so its user compile cannot wait for a read.
-        transformed = HLO_TRANSFORM_MARKER in str(users.get("xla_disable_hlo_passes", ""))
-        compiled._suite_users = compile_users() if transformed else None
-        compiled._suite_compile_users = compile_users
+        if HLO_TRANSFORM_MARKER in str(users.get("xla_disable_hlo_passes", "")):
+            compiled._suite_users()
         return compiled
 
     jax.stages.Lowered.compile = compile_fast_read_users
@@ -60,9 +59,8 @@ def install() -> None:
 
 def _users(compiled):
     """The user's compile of `compiled`, compiled on first read; None for a compile not redirected."""
-    if compiled.__dict__.get("_suite_users") is None and "_suite_compile_users" in compiled.__dict__:
-        compiled._suite_users = compiled._suite_compile_users()
-    return compiled.__dict__.get("_suite_users")
+    users = compiled.__dict__.get("_suite_users")
+    return None if users is None else users()
 
 
 def _reading(name):
