@@ -6,7 +6,16 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
-from xlaopt.models.layers import Mlp, RMSNorm, constrain, param, reduce_matmul
+from xlaopt.models.layers import (
+    RESIDUAL_BLD,
+    Mlp,
+    RMSNorm,
+    constrain,
+    gathered,
+    gathered_gradient,
+    param,
+    reduce_matmul,
+)
 from xlaopt.models.mrope import apply_rope
 
 
@@ -43,7 +52,7 @@ class TransformerBlock(nn.Module):
     def qkv(self, x_BLD, cos_BLK=None, sin_BLK=None):
         """Rotated queries and keys (unrotated without a rotary table: models with learned
         positions), values; plus the side keys (`side_key_norm`) or the keys again."""
-        h_BLD = checkpoint_name(self.attn_norm(x_BLD), remat.ATTENTION_NORM)
+        h_BLD = checkpoint_name(gathered(self.attn_norm(x_BLD)), remat.ATTENTION_NORM)
         q_BLHK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype)), remat.QUERY)
         raw_k_BLNK = checkpoint_name(jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype)),
                                      remat.KEY)
@@ -62,6 +71,6 @@ class TransformerBlock(nn.Module):
         """Output projection and MLP, each with its residual."""
         attn_BLHK = checkpoint_name(attn_BLHK, remat.CONTEXT)
         out_BLD = reduce_matmul("blhk,hkd->bld", attn_BLHK, self.o_proj_HKD.astype(self.dtype), 2, 0)
-        x_BLD = constrain(x_BLD + checkpoint_name(out_BLD, remat.OUT), ("batch", "seq", "act_embed"))
-        x_BLD = x_BLD + self.mlp(checkpoint_name(self.mlp_norm(x_BLD), remat.MLP_NORM))
-        return constrain(x_BLD, ("batch", "seq", "act_embed"))
+        x_BLD = constrain(x_BLD + gathered_gradient(checkpoint_name(out_BLD, remat.OUT)), RESIDUAL_BLD)
+        x_BLD = x_BLD + gathered_gradient(self.mlp(checkpoint_name(gathered(self.mlp_norm(x_BLD)), remat.MLP_NORM)))
+        return constrain(x_BLD, RESIDUAL_BLD)

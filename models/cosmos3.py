@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, param
+from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.stack import LayerStack, StackSpec
@@ -175,7 +175,7 @@ class GeneratorIO(nn.Module):
         t_BVD = constrain(t_BVD, ("batch", "seq", "act_embed"))
         t_BVD = constrain(t_BVD @ self.time_out_DD + self.time_out_bias_D, ("batch", "seq", "act_embed"))
         h_BVD = h_BVD + constrain(jnp.where(noisy_BV[..., None], t_BVD, 0), ("batch", "seq", "act_embed")).astype(dt)
-        return constrain(h_BVD, ("batch", "seq", "act_embed"))
+        return constrain(h_BVD, RESIDUAL_BLD)
 
     def predict(self, h_BVD, modality_BV, domain_BV):
         """Per-modality predictions in raw input space, zero-padded to C channels, fp32."""
@@ -218,7 +218,7 @@ class Cosmos3(nn.Module):
 
         embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
         x_BTD = constrain(embedding_lookup(embed_ED, batch["text_tokens_BT"], "vocab").astype(dt),
-                          ("batch", "seq", "act_embed"))
+                          RESIDUAL_BLD)
         io = GeneratorIO(c, dt, name="generator_io")
         x_BVD = io.embed(gen_inputs_BVC, batch["gen_modality_BV"], batch["gen_action_domain_BV"],
                          batch["gen_noisy_BV"], batch["gen_sigma_BV"])
@@ -230,11 +230,11 @@ class Cosmos3(nn.Module):
                                   name="layers")(
             (x_BTD, x_BVD), tokens_S, rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 
-        h_BTD = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD)
+        h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD))
         head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
         logits_BTE = constrain(logits_BTE, ("batch", "seq", "act_vocab"))
-        h_BVD = RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD)
+        h_BVD = gathered(RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD))
         pred_BVC = io.predict(h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"])
         return logits_BTE, pred_BVC
 
@@ -253,7 +253,7 @@ def reasoner_kv(model: Cosmos3, params, batch: dict) -> tuple[jax.Array, jax.Arr
     c, dt = model.config, model.dtype
     text_seg_BT = batch["text_segment_ids_BT"]
     x_BTD = constrain(embedding_lookup(params["embed_ED"], batch["text_tokens_BT"], "vocab").astype(dt),
-                      ("batch", "seq", "act_embed"))
+                      RESIDUAL_BLD)
     tokens_T = Tokens.of(text_seg_BT, jnp.zeros(text_seg_BT.shape, bool))  # = joint_tokens(...).slice(0, T)
     rope_T = rope_tables(c, batch["text_positions_3BT"], model.rope_inv_freq)
     layer = MoTLayer(**layer_fields(c, dt, model.attention))

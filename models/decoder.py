@@ -16,7 +16,7 @@ import numpy as np
 
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup, next_token_loss, param
+from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, next_token_loss, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.registry import ConfigError, register
@@ -101,12 +101,12 @@ class Decoder(nn.Module):
         seg_BT = batch["segment_ids_BT"]
         embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
         x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
-                          ("batch", "seq", "act_embed"))
+                          RESIDUAL_BLD)
         tokens_T = document_tokens(seg_BT)
         rope = rope_tables(c, jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape))
         layer = dict(block=block_fields(c, dt), attention=self.attention)
         x_BTD = LayerStack(DecoderLayer, layer, c.num_layers, self.stack, name="layers")(x_BTD, tokens_T, rope)
-        h_BTD = RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD)
+        h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD))
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
         logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
         return constrain(logits_BTE, ("batch", "seq", "act_vocab"))

@@ -8,7 +8,9 @@ Shape letters used in names throughout `xlaopt.models`:
 Logical axis names (mapped to mesh axes by the one rule table in `xlaopt.sharding`):
   parameters: vocab, embed, heads, kv_heads, head_dim, mlp, latent, domains, modality,
               time_freq, time_hidden (and layers, added by the scan);
-  activations: batch, seq, act_embed, act_heads, act_kv_heads, act_mlp, act_vocab.
+  activations: batch, seq, residual_seq, act_embed, act_heads, act_kv_heads, act_mlp, act_vocab.
+`residual_seq` is the sequence of the residual stream between sub-blocks (`RESIDUAL_BLD`): the
+rule table splits it like `seq`, or over the tensor ranks too (sequence parallelism).
 """
 from __future__ import annotations
 
@@ -24,6 +26,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
 from xlaopt.models.tracing import installed
+
+RESIDUAL_BLD = ("batch", "residual_seq", "act_embed")
+# A sub-block's normed input, whole along the sequence on every tensor rank (`gathered`).
+SUBLAYER_IN_BLD = ("batch", "seq", "act_embed")
 
 # Activation constraints are installed by whoever traces the model (the training program's
 # layout, a pass recording shapes, ...); the model itself only names logical axes. They
@@ -159,6 +165,37 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * scale).astype(x.dtype)
+
+
+def gathered(h_BLD: jax.Array) -> jax.Array:
+    """A norm's output on the residual stream's shards, then whole along the sequence for the
+    sub-block that reads it. Under sequence parallelism the gather comes after the norm, in the
+    compute dtype, as Megatron gathers, and its transpose reduce-scatters the input gradient onto
+    the shards; left to propagation, XLA gathered the norm's fp32 input in the recomputed forward
+    and gathered whole output-projection weights in the backward (llama3-70b on tensor=8)."""
+    return constrain(constrain(h_BLD, RESIDUAL_BLD), SUBLAYER_IN_BLD)
+
+
+@jax.custom_vjp
+def gathered_gradient(out_BLD: jax.Array) -> jax.Array:
+    """A sub-block's output, unchanged; its gradient made whole along the sequence before the
+    sub-block's backward reads it. Under sequence parallelism the gradient arrives on the
+    residual stream's shards; told nothing, XLA computed the attention output projection's input
+    gradient on those shards by gathering the whole projection weight and then exchanging heads
+    for sequence (an all-to-all), where gathering the gradient (Megatron's order) keeps every
+    weight on its tensor rank."""
+    return out_BLD
+
+
+def _gathered_gradient_fwd(out_BLD):
+    return out_BLD, None
+
+
+def _gathered_gradient_bwd(_, grad_BLD):
+    return (constrain(grad_BLD, SUBLAYER_IN_BLD),)
+
+
+gathered_gradient.defvjp(_gathered_gradient_fwd, _gathered_gradient_bwd)
 
 
 class RMSNorm(nn.Module):

@@ -27,7 +27,7 @@ import numpy as np
 
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RMSNorm, constrain, param, token_mean
+from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, param, token_mean
 from xlaopt.models.masks import Tokens
 from xlaopt.models.registry import ConfigError, register
 from xlaopt.models.stack import LayerStack, StackSpec
@@ -121,7 +121,7 @@ class ViT(nn.Module):
         x_BTD = (jnp.einsum("btx,xd->btd", patchify(batch["images_BHWC"].astype(dt), c.patch_size), patch_XD.astype(dt))
                  + patch_bias_D.astype(dt))
         pos_TD = param(self, "pos_embed_TD", (T, D), ("positions", "embed"), nn.initializers.normal(0.02))
-        x_BTD = constrain(x_BTD + pos_TD.astype(dt), ("batch", "seq", "act_embed"))
+        x_BTD = constrain(x_BTD + pos_TD.astype(dt), RESIDUAL_BLD)
         block = dict(c.block_fields(dt), qk_norm=False)
         x_BTD = LayerStack(ViTLayer, dict(block=block, attention=self.attention), c.num_layers, self.stack,
                            name="layers")(x_BTD, image_tokens(seg_BT))

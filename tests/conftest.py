@@ -139,7 +139,7 @@ LONGEST_FILES = (
     "test_faults.py", "test_verify.py", "test_cli.py", "test_layout.py", "test_stack.py", "test_hierarchical_grads.py",
     "test_checkpoint_train.py", "test_plan.py", "test_collective_matmul.py", "test_ulysses.py", "test_attention.py",
     "test_resnet.py", "test_hlo.py", "test_pipeline.py", "test_analyze.py", "test_api.py", "test_vit.py",
-    "test_remat.py", "test_loader.py", "test_train_process.py", "test_checkpoint_process.py",
+    "test_remat.py", "test_sequence_parallel.py", "test_loader.py", "test_train_process.py", "test_checkpoint_process.py",
     "test_generate_sharded.py", "test_loss_scale.py", "test_attention_work.py", "test_sample_cosmos.py",
 )
 

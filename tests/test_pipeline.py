@@ -1,6 +1,8 @@
 """The pass pipeline's contract: honest `changed`, idempotence, disabling by name, dumps,
 and room for traced-function and compiled-HLO passes."""
+import collections
 import dataclasses
+import inspect
 from typing import ClassVar
 
 import jax
@@ -247,11 +249,17 @@ def test_traced_function_and_hlo_levels_are_wired(program):
     np.testing.assert_allclose(losses[1], 2 * losses[0], rtol=1e-6)
 
 
+def _own_backward_rule() -> str:
+    """The name of the model's own backward rule making the current call, or ''."""
+    rules = ("_whole_along_embed_bwd", "_gathered_gradient_bwd")
+    return next((f.function for f in inspect.stack(0) if f.function in rules), "")
+
+
 @needs_devices(4)
 def test_tracing_installs_the_mesh_and_constraints_compose(program):
     """A rewrite sees the program's mesh while tracing, and a constraint it installs runs
     together with the layout's own on every activation."""
-    from xlaopt.models.layers import activation_constraint
+    from xlaopt.models.layers import RESIDUAL_BLD, SUBLAYER_IN_BLD, activation_constraint
 
     seen = []
 
@@ -261,7 +269,7 @@ def test_tracing_installs_the_mesh_and_constraints_compose(program):
         def apply(self, grad_fn):
             def wrapped(params, batch, key):
                 seen.append(dict(jax.sharding.get_abstract_mesh().shape))
-                with activation_constraint(lambda x, axes: seen.append(axes) or x):
+                with activation_constraint(lambda x, axes: seen.append((axes, _own_backward_rule())) or x):
                     return grad_fn(params, batch, key)
             return wrapped
 
@@ -272,9 +280,17 @@ def test_tracing_installs_the_mesh_and_constraints_compose(program):
     assert [seen[i] for i in marks] == [{"data": 1, "fsdp": 2, "tensor": 2, "context": 1}] * 2
     recorded = len(seen) - marks[1] - 1
     # Every activation the recorder saw also got the layout's sharding constraint, and no other:
-    # each once in the forward pass and once, transposed, in the backward pass; an embedding
-    # lookup's backward constraint is its own (the table's sharding, `models/layers.py`), seen
-    # by the recorder as a call of its own.
-    own_backward = sum(1 for s in seen[marks[1] + 1:] if s[-1] == "embed")
-    assert own_backward == 2  # the token and the modality tables
-    assert recorded > 10 and lowered.count("sdy.sharding_constraint") == 2 * (recorded - own_backward)
+    # each once in the forward pass and once, transposed, in the backward pass. Backward rules of
+    # the model's own (`models/layers.py`) constrain once, seen by the recorder as calls of their
+    # own: an embedding lookup's (the table's sharding: the token and the modality tables) and
+    # each sub-block output's gradient gathered (`gathered_gradient`). A gathered norm output is
+    # constrained twice in a row (`gathered`: onto the residual stream's shards, then whole),
+    # which on this mesh name the same sharding, and the lowered backward may hold one transposed
+    # constraint for such a pair instead of two (2 of the 6 pairs here, on jax 0.10.2).
+    traced = seen[marks[1] + 1:]
+    own = collections.Counter(rule for _, rule in traced if rule)
+    assert own["_whole_along_embed_bwd"] == 2 and own["_gathered_gradient_bwd"] >= 4
+    forward = recorded - sum(own.values())
+    pairs = sum(1 for i in range(1, len(traced)) if (traced[i - 1][0], traced[i][0]) == (RESIDUAL_BLD, SUBLAYER_IN_BLD))
+    constraints = lowered.count("sdy.sharding_constraint")
+    assert forward > 10 and 2 * forward + sum(own.values()) - pairs <= constraints <= 2 * forward + sum(own.values())

@@ -195,3 +195,29 @@ def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(["plan", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_past_top_the_planner_compiles_on_only_what_could_still_win():
+    """The analytic model does not see XLA's scheduler holding prefetches back near the memory
+    limit: a policy that saves more can compile slower than it priced. Past `top`, a candidate is
+    compiled only if its analytic price, scaled by how far compiling its policy was off (1 for a
+    policy not compiled yet), beats the best compiled price."""
+    from xlaopt.planning.planner import Priced, _compile_best
+    from xlaopt.planning.price import AnalyticPrice
+    from xlaopt.planning.space import Candidate
+
+    def priced(fsdp, remat, analytic_s, compiled_s):
+        p = Priced(Candidate(8 // fsdp, fsdp, 1, 1, remat), AnalyticPrice(analytic_s, None, 2**30, {}))
+        p.compiled_s = compiled_s
+        return p
+
+    fits = [priced(8, "minimal_with_context", 30.0, 40.0), priced(4, "minimal_with_context", 31.0, 41.0),
+            priced(8, "full", 35.0, 36.0), priced(4, "full", 36.0, 37.0), priced(8, "none", 50.0, 20.0)]
+
+    def compile_one(p):
+        p.compiled = {"step_time_s": p.compiled_s, "memory_per_device_bytes": {"peak_estimate": 2**30}}
+
+    chosen = _compile_best(fits, 1, False, 80 * 2**30, compile_one)
+    # The HSDP twin of the first is 31 x 40/30 away (no better); full has not been compiled, so it
+    # is; full's HSDP twin, 36 x 36/35, no longer beats 36 s, and none's 50 s never could.
+    assert [(p.candidate.fsdp, p.candidate.remat) for p in chosen] == [(8, "minimal_with_context"), (8, "full")]

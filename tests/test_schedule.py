@@ -287,3 +287,37 @@ def test_a_cache_read_and_updated_through_a_bitcast_counts_the_slice_only():
     layer = 8 * 128 * 2  # one layer's slice of the cache, bf16
     assert ops["read"].bytes == 2 * layer + 4  # the slice read and written, and the index
     assert ops["write"].bytes == 2 * layer + 4  # the update read and written in place, and the index
+
+
+# XLA's GPU pipeline peels a micro-batch scan's first iteration and leaves the rest without
+# `known_trip_count`: the same loop as HLO's, counting up from 1 through fusions and copies.
+_COUNTED = (HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+            .replace("%body (p:", """%fused_inc (q.0: s32[]) -> s32[] {
+  %q.0 = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %next = s32[] add(%q.0, %one)
+}
+
+%fused_lt (q.1: s32[]) -> pred[] {
+  %q.1 = s32[] parameter(0)
+  %n.1 = s32[] constant(3)
+  ROOT %lt.1 = pred[] compare(%q.1, %n.1), direction=LT
+}
+
+%body (p:""")
+            .replace("ROOT %t = (s32[], f32[64,128]{1,0}) tuple(%i, %d)",
+                     "%i.c = s32[] copy(%i)\n  %inc = s32[] fusion(%i.c), kind=kLoop, calls=%fused_inc\n"
+                     "  ROOT %t = (s32[], f32[64,128]{1,0}) tuple(%inc, %d)")
+            .replace("ROOT %lt = pred[] compare(%i.1, %n), direction=LT",
+                     "ROOT %lt = pred[] fusion(%i.1), kind=kLoop, calls=%fused_lt")
+            .replace("%zero = s32[] constant(0)", "%start = s32[] constant(1)\n  %zero = s32[] copy(%start)"))
+
+
+def test_a_loop_without_xlas_trip_count_is_counted_from_its_start_bound_and_step():
+    s = build_schedule(_COUNTED)
+    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 2, "known": True,
+                        "given": False}]
+    assert s.flops == 2 * 64 * 32 * 128 + 2 * 2 * 64 * 128 * 128
+    # A body that does not step its counter: nothing to count by, so the loop stays unknown (once).
+    still = build_schedule(_COUNTED.replace("tuple(%inc, %d)", "tuple(%i, %d)"))
+    assert [(loop["trip_count"], loop["known"]) for loop in still.loops] == [(1, False)]

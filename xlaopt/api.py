@@ -34,12 +34,14 @@ def simulated_devices(count: int) -> list:
 def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None,
                   overrides: Mapping[str, Any] | None = None, batch: Any = None,
                   execution: Mapping[str, Any] | Any = None, target: str = "cpu",
-                  compiler_options: Mapping[str, Any] | None = None, seed: int = 0):
+                  compiler_options: Mapping[str, Any] | None = None, seed: int = 0,
+                  sequence_parallel: bool = False):
     """A TrainProgram of a registered model (a name, with `overrides` of its config fields, or a
     config), on a mesh ("fsdp=4,tensor=2" or a MeshSpec) or a layout file (mesh, order, rules, and
     the batch and execution it holds, which `batch` and `execution` given here replace).
     `batch`: a BatchShape or (rows, text tokens, generator tokens); default the family's.
-    `execution`: an ExecutionConfig or its fields as a mapping."""
+    `execution`: an ExecutionConfig or its fields as a mapping. `sequence_parallel`: the residual
+    stream split over the tensor ranks too (`xlaopt.sharding.with_sequence_parallel`)."""
     import dataclasses
 
     from xlaopt.build import build_program as build, choose_layout
@@ -48,7 +50,7 @@ def build_program(model: str | Any, mesh: Any = "", *, layout: str | None = None
     from xlaopt.models.registry import get_config
 
     config = get_config(model, dict(overrides or {})) if isinstance(model, str) else model
-    chosen = choose_layout(mesh, layout, config.name)
+    chosen = choose_layout(mesh, layout, config.name, sequence_parallel)
     batch = chosen.batch if batch is None else batch
     execution = chosen.execution if execution is None else execution
     if batch is not None and not isinstance(batch, BatchShape):

@@ -14,7 +14,7 @@ from xlaopt.families import family_of
 from xlaopt.layout import Layout, load_layout
 from xlaopt.mesh import MeshSpec
 from xlaopt.program import TrainProgram, TrainSettings
-from xlaopt.sharding import sequence_axes
+from xlaopt.sharding import sequence_axes, with_sequence_parallel
 from xlaopt.transforms.compiler_options import CompilerOptions
 
 _BATCH_FIELDS = ("batch_size", "text_len", "gen_len")
@@ -38,16 +38,24 @@ class BatchRequest:
         return BatchShape(*dataclasses.astuple(self.over(default)))
 
 
-def choose_layout(mesh: str | MeshSpec, layout_file: str | os.PathLike | None, model: str) -> Layout:
+def choose_layout(mesh: str | MeshSpec, layout_file: str | os.PathLike | None, model: str,
+                  sequence_parallel: bool = False) -> Layout:
     """The layout of a mesh (default rules and device order) or of a layout file, whose model
-    must be `model`; not both, since a layout file holds its mesh."""
+    must be `model`; not both, since a layout file holds its mesh. `sequence_parallel` turns it on
+    in either's rules (`xlaopt.sharding.with_sequence_parallel`)."""
     if layout_file is None:
-        return Layout(mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh))
-    if mesh:
+        layout = Layout(mesh if isinstance(mesh, MeshSpec) else MeshSpec.parse(mesh))
+    elif mesh:
         raise UserError("--mesh and --layout both given; a layout file holds its mesh, pass one or the other")
-    layout = load_layout(layout_file)
-    layout.check_model(model, str(layout_file))
-    return layout
+    else:
+        layout = load_layout(layout_file)
+        layout.check_model(model, str(layout_file))
+    if not sequence_parallel:
+        return layout
+    if layout.mesh.size("tensor") == 1:
+        raise UserError(f"--sequence-parallel splits the residual stream over the tensor ranks, and mesh {layout.mesh} "
+                        f"has none; add tensor=N (N > 1) or drop --sequence-parallel")
+    return dataclasses.replace(layout, rules=with_sequence_parallel(layout.rules))
 
 
 def default_execution(layout: Layout, target: str) -> ExecutionConfig:

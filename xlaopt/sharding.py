@@ -4,6 +4,14 @@ Rules are ordered (logical axis, mesh axes) pairs; for each array dimension the 
 rule naming its logical axis whose mesh axes are not already used by that array wins.
 Mesh axes of size 1 are dropped, so specs only name axes that actually split data.
 
+Sequence parallelism (Megatron's, Korthikanti et al. 2022) is a choice of this table: the
+residual stream between the attention and MLP sub-blocks (where the norms and residual adds run)
+names its sequence `residual_seq`, which follows `seq` unless a rule says otherwise;
+`with_sequence_parallel` splits it over `tensor` as well. The partitioner then turns each
+sub-block's output all-reduce into a reduce-scatter onto the sequence shards and gathers the
+normed input back before the next sub-block's projections, so every tensor rank runs the norms
+and residual adds on 1/tensor of the tokens and keeps 1/tensor of the residual stream.
+
 A program's questions about its layout are answered here too, so the passes and the loader ask
 the rule table rather than the compiler: which mesh axes split its rows, and how many groups of
 rows run on different devices.
@@ -24,6 +32,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     # activations
     ("batch", ("data", "fsdp")),
     ("seq", ("context",)),
+    ("residual_seq", ("context",)),  # `with_sequence_parallel` adds tensor
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
@@ -35,6 +44,32 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     ("mlp", ("tensor",)),
     ("vocab", ("tensor",)),
 )
+
+
+RESIDUAL_SEQ = "residual_seq"
+TENSOR = "tensor"
+# A logical axis no rule names follows another's rules (rule tables written before it existed).
+_FOLLOWS = {RESIDUAL_SEQ: "seq"}
+
+
+def with_sequence_parallel(rules: Sequence[Rule], on: bool = True) -> tuple[Rule, ...]:
+    """The table with the residual stream's sequence split like `seq` and then over `tensor`
+    (on), or like `seq` alone (off), in place of its own `residual_seq` rule."""
+    seq = next((axes for logical, axes in rules if logical == "seq"), ())
+    rule = (RESIDUAL_SEQ, tuple(a for a in seq if a != TENSOR) + ((TENSOR,) if on else ()))
+    kept = [r for r in rules if r[0] != RESIDUAL_SEQ]
+    at = next((i + 1 for i, (logical, _) in enumerate(kept) if logical == "seq"), 0)
+    return tuple(kept[:at] + [rule] + kept[at:])
+
+
+def sequence_parallel(rules: Sequence[Rule], mesh: MeshSpec) -> bool:
+    """Whether the table splits the residual stream's sequence over tensor ranks of this mesh."""
+    return mesh.size(TENSOR) > 1 and TENSOR in _rule_axes(RESIDUAL_SEQ, rules)
+
+
+def _rule_axes(logical: str, rules: Sequence[Rule]) -> tuple[str, ...]:
+    named = logical if any(r == logical for r, _ in rules) else _FOLLOWS.get(logical, logical)
+    return next((axes for r, axes in rules if r == named), ())
 
 
 def validate_rules(rules: Sequence[Rule]) -> None:
@@ -58,8 +93,11 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], ru
     """PartitionSpec for one array; raises MeshError naming `what` when an axis does not divide."""
     used: set[str] = set()
     out = []
+    named = {logical for logical, _ in rules}
     for dim, (logical, size) in enumerate(zip(logical_axes, shape)):
         chosen: tuple[str, ...] = ()
+        if logical not in named:
+            logical = _FOLLOWS.get(logical, logical)
         for rule_logical, mesh_axes in rules:
             if rule_logical != logical or logical is None:
                 continue

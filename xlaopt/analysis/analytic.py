@@ -4,7 +4,8 @@ For layouts xlaopt does not compile (pipeline stages, context parallel rings, a 
 overlap scheme), the step is built up per layer and per micro-batch on one GPU:
 
 - compute: forward linear matmuls (fp8 peak for fp8 runs), causal attention (bf16), elementwise
-  traffic (and fp8 casts) at HBM bandwidth; backward = 2x forward (2.5x for flash attention);
+  traffic (and fp8 casts) at HBM bandwidth, the residual stream's (norms, residual adds) split
+  over the tensor ranks only with sequence parallelism; backward = 2x forward (2.5x for flash attention);
   recomputation as the source runs it; the LM head and loss on the last stage;
 - FSDP: per layer, all-gather parameters for forward and again for backward, reduce-scatter
   gradients in backward, each within the shard group (the `fsdp` ranks and the context ranks
@@ -111,19 +112,27 @@ class DecoderShape:
                       + self.head_forward_flops(1))
 
     def elementwise_forward_bytes_per_token(self, fused: bool) -> float:
-        """HBM traffic of one layer's non-matmul ops, forward, per token (bf16 activations).
+        """HBM traffic of one layer's non-matmul ops, forward, per token (bf16 activations): the
+        residual stream's (`residual_stream_bytes_per_token`) and the rest.
 
-        Fused (XLA, torch.compile, Transformer Engine): one pass per op group: 2 RMSNorms (read +
-        write d), 2 residual adds (read 2d, write d), rotary on q and k (read + write), the MLP
-        activation (SwiGLU: read 2F write F; GELU: read F write F).
-        Eager PyTorch: each op its own kernel: an RMSNorm is 6 kernels with an fp32 round trip
-        (~36 bytes per element instead of 4), rotary through complex fp32 views ~20 bytes per
+        Fused (XLA, torch.compile, Transformer Engine): one pass per op group: rotary on q and k
+        (read + write), the MLP activation (SwiGLU: read 2F write F; GELU: read F write F).
+        Eager PyTorch: each op its own kernel: rotary through complex fp32 views ~20 bytes per
         element instead of 4, SwiGLU as silu then multiply (5F elements instead of 3F)."""
-        d, qk = self.d_model, (self.heads + self.kv_heads) * self.head_dim
+        qk = (self.heads + self.kv_heads) * self.head_dim
         act_fused = 3 if self.mlp == "swiglu" else 2
-        if fused:
-            return _BF16_BYTES * (2 * 2 * d + 2 * 3 * d + 2 * qk + act_fused * self.ffn)
-        return 2 * 36 * d + 2 * 3 * d * _BF16_BYTES + 20 * qk + _BF16_BYTES * (act_fused + 2) * self.ffn
+        rest = (_BF16_BYTES * (2 * qk + act_fused * self.ffn) if fused
+                else 20 * qk + _BF16_BYTES * (act_fused + 2) * self.ffn)
+        return self.residual_stream_bytes_per_token(fused) + rest
+
+    def residual_stream_bytes_per_token(self, fused: bool) -> float:
+        """The part of `elementwise_forward_bytes_per_token` on the residual stream (d wide): 2
+        RMSNorms (read + write d) and 2 residual adds (read 2d, write d). Tensor parallelism
+        splits it only with sequence parallelism; without, every tensor rank runs it whole.
+        Eager PyTorch runs an RMSNorm as 6 kernels with an fp32 round trip (~36 bytes per element
+        instead of 4)."""
+        d = self.d_model
+        return _BF16_BYTES * (2 * 2 * d + 2 * 3 * d) if fused else 2 * 36 * d + 2 * 3 * d * _BF16_BYTES
 
     def fp8_cast_bytes_per_token(self) -> float:
         """Casting a layer's linear inputs to fp8 forward (read 2 B, write 1 B) and its output
@@ -289,7 +298,9 @@ def _layer(shape: DecoderShape, layout: Parallelism, topology: Topology, softwar
     mm_max = eff.matmul_max_for(dev.name)
     lin_s = cm.matmul_time_s(lin_f, linear_peak, lin_f / n_matmuls, mm_max, eff.matmul_half_flops)
     att_s = cm.attention_time_s(att_f, bf16_peak, eff)
-    elem_fwd_bytes = shape.elementwise_forward_bytes_per_token(software.fused_elementwise) * tokens / tp
+    residual = shape.residual_stream_bytes_per_token(software.fused_elementwise)
+    elem_fwd_bytes = (shape.elementwise_forward_bytes_per_token(software.fused_elementwise) - residual) * tokens / tp \
+        + residual * tokens / (tp if software.sequence_parallel else 1)
     if software.fp8_linear:  # activations and gradients per token, weights (and transposes) per micro-batch
         cast_bytes = shape.fp8_cast_bytes_per_token() * tokens / tp + 3 * 2 * shape.layer_params / tp
     else:

@@ -266,17 +266,17 @@ def format_analysis(result: dict) -> str:
         f"data: {result['data']}; fill {result['fill'] * 100:.1f}% of the slots; attention "
         f"{_attention_used(result)}: (query, key) pairs executed / needed "
         f"{_ratio(result['attention_pairs_executed_over_needed'])}",
-        f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>12}{'exposed':>12}",
+        f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>14}{'exposed':>14}",
     ]
     for axes, c in sorted(result["comm_by_axis"].items(), key=lambda kv: -kv[1]["time_s"]):
-        lines.append(f"{axes:<16}{gib(c['bytes']):>14}{ms(c['time_s']):>12}{ms(c['exposed_s']):>12}")
+        lines.append(f"{axes:<16}{gib(c['bytes']):>14}{ms(c['time_s']):>14}{ms(c['exposed_s']):>14}")
     lines.append(f"top collectives ({len(result['collectives'])} instructions):")
-    lines.append(f"  {'name':<24}{'kind':<24}{'axes':<10}{'link':<10}{'runs':>5}{'comm':>11}{'exposed':>11}"
-                 f"{'overlapped':>12}")
+    lines.append(f"  {'name':<24}{'kind':<24}{'axes':<10}{'link':<10}{'runs':>6}{'comm':>13}{'exposed':>13}"
+                 f"{'overlapped':>13}")
     for c in result["collectives"][:10]:
         lines.append(f"  {c['name'][:23]:<24}{c['kind'] + (' (async)' if c['is_async'] else ''):<24}"
-                     f"{c['mesh_axes']:<10}{c['link_level']:<10}{c['executions']:>5}{ms(c['time_s']):>11}"
-                     f"{ms(c['exposed_s']):>11}{ms(c['overlapped_compute_s']):>12}")
+                     f"{c['mesh_axes']:<10}{c['link_level']:<10}{c['executions']:>6}{ms(c['time_s']):>13}"
+                     f"{ms(c['exposed_s']):>13}{ms(c['overlapped_compute_s']):>13}")
     t = result["timings_s"]
     lines.append(f"lower {t['lower']:.1f}s, compile {t['compile']:.1f}s, simulate {t['simulate']:.1f}s"
                  + (f"; trace written to {result['trace']}" if result.get("trace") else ""))

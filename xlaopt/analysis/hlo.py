@@ -192,13 +192,113 @@ def trip_count(attrs: str) -> int | None:
     return None
 
 
+def loop_trip_count(loop: Instruction, comp: str, comps: dict[str, list[Instruction]]) -> int | None:
+    """A while loop's trip count (`loop` an instruction of computation `comp`): XLA's own where
+    it gives one, else read from the loop itself (`_counted_trips`), else None."""
+    known = trip_count(loop.attrs)
+    return known if known is not None else _counted_trips(loop, comp, comps)
+
+
+def _counted_trips(loop: Instruction, comp: str, comps: dict[str, list[Instruction]]) -> int | None:
+    """The trip count of a loop of the form `for (i = a; i < b; i += s)` with constants a, b, s,
+    from its start value, condition and body. XLA's GPU pipeline peels the first iteration of
+    some loops (a scan over micro-batches) and the rest loses `known_trip_count`; counted as
+    once, the step's work was undercounted by the micro-batch count."""
+    cond, body = _callee(loop, "condition"), _callee(loop, "body")
+    if cond not in comps or body not in comps or len(loop.operands) != 1:
+        return None
+    compare = _root_value(cond, comps)
+    if compare is None or compare[0] != "compare":
+        return None
+    _, direction, lhs, rhs = compare
+    if direction in ("GT", "GE"):  # b > i: the same bound read the other way round
+        lhs, rhs, direction = rhs, lhs, {"GT": "LT", "GE": "LE"}[direction]
+    if direction not in ("LT", "LE") or lhs[0] != "element" or rhs[0] != "constant":
+        return None
+    index = lhs[1]
+    step = _tuple_element_value(body, index, comps)
+    start = _value(comp, _tuple_operand(comp, loop.operands[0], index, comps), comps, {})
+    if step is None or start is None or start[0] != "constant":
+        return None
+    if not (step[0] == "add" and step[1] == ("element", index) and step[2][0] == "constant" and step[2][1] > 0):
+        return None
+    bound = rhs[1] + (1 if direction == "LE" else 0)
+    return max(0, -(-(bound - start[1]) // step[2][1]))
+
+
+def _callee(ins: Instruction, key: str) -> str | None:
+    m = re.search(key + r"=%?([\w.\-]+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def _tuple_operand(comp: str, name: str, index: int, comps: dict[str, list[Instruction]]) -> str | None:
+    """The `index`-th operand of the tuple instruction `name` (through copies), or None."""
+    ins = _resolved(comp, name, comps)
+    return ins.operands[index] if ins is not None and ins.opcode == "tuple" and index < len(ins.operands) else None
+
+
+def _resolved(comp: str, name: str | None, comps: dict[str, list[Instruction]]) -> Instruction | None:
+    by_name = {i.name: i for i in comps.get(comp, [])}
+    ins = by_name.get(name)
+    while ins is not None and ins.opcode in ("copy", "bitcast") and ins.operands:
+        ins = by_name.get(ins.operands[0])
+    return ins
+
+
+def _root_value(comp: str, comps: dict[str, list[Instruction]]):
+    root = next((i for i in comps.get(comp, []) if i.is_root), None)
+    return None if root is None else _value(comp, root.name, comps, {})
+
+
+def _tuple_element_value(comp: str, index: int, comps: dict[str, list[Instruction]]):
+    root = next((i for i in comps.get(comp, []) if i.is_root), None)
+    if root is None or root.opcode != "tuple" or index >= len(root.operands):
+        return None
+    return _value(comp, root.operands[index], comps, {})
+
+
+def _value(comp: str, name: str | None, comps: dict[str, list[Instruction]], params: dict, depth: int = 0):
+    """A scalar integer instruction as a small expression: ("constant", v), ("element", k) for
+    element k of the computation's tuple parameter, ("add", a, b), ("compare", direction, a, b);
+    through copies and into fusions (`params`: a fusion's parameter numbers to their values)."""
+    ins = _resolved(comp, name, comps)
+    if ins is None or depth > 8:
+        return None
+    if ins.opcode == "constant":
+        try:
+            return ("constant", int(ins.args))
+        except ValueError:
+            return None
+    if ins.opcode == "parameter":
+        return params.get(int(ins.args)) if ins.args.isdigit() else None
+    if ins.opcode == "get-tuple-element":
+        source = _resolved(comp, ins.operands[0], comps) if ins.operands else None
+        m = re.search(r"index=(\d+)", ins.attrs)
+        return ("element", int(m.group(1))) if source is not None and source.opcode == "parameter" and m else None
+    if ins.opcode == "fusion":
+        fused = _callee(ins, "calls")
+        inner = {k: _value(comp, o, comps, params, depth + 1) for k, o in enumerate(ins.operands)}
+        root = next((i for i in comps.get(fused, []) if i.is_root), None)
+        return None if root is None else _value(fused, root.name, comps, inner, depth + 1)
+    operands = [_value(comp, o, comps, params, depth + 1) for o in ins.operands]
+    if any(o is None for o in operands) or len(operands) != 2:
+        return None
+    if ins.opcode == "add":
+        a, b = operands
+        return ("add", b, a) if a[0] == "constant" else ("add", a, b)
+    if ins.opcode == "compare":
+        m = re.search(r"direction=(\w+)", ins.attrs)
+        return ("compare", m.group(1), *operands) if m else None
+    return None
+
+
 def _executions(comps: dict[str, list[Instruction]]) -> dict[str, int]:
     """How many times each computation runs per call of the entry (while bodies x trip count)."""
     runs: dict[str, int] = {}
     callers: dict[str, list[tuple[str, int]]] = {}
     for name, instrs in comps.items():
         for ins in instrs:
-            trips = (trip_count(ins.attrs) or 1) if ins.opcode == "while" else 1
+            trips = (loop_trip_count(ins, name, comps) or 1) if ins.opcode == "while" else 1
             for callee in _CALLS.findall(ins.attrs):
                 callers.setdefault(callee, []).append((name, trips))
 

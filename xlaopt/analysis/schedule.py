@@ -208,7 +208,7 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
             if ins.opcode == "while":
                 body = reader.callee(ins, "body")
-                trips = hlo.trip_count(ins.attrs)
+                trips = hlo.loop_trip_count(ins, comp, reader.comps)
                 given = _loop_trips(ins.attrs, loop_trips or {}) if trips is None else None
                 runs = trips if trips is not None else given if given is not None else 1
                 if ins.name not in seen_loops:

@@ -27,6 +27,10 @@ def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--layout", default=None, metavar="FILE",
                    help="a layout file (TOML/JSON: mesh, device order, rules, batch, execution; see xlaopt.layout, "
                         "written by `xlaopt plan --out`) instead of --mesh; sizes and --exec given here override its own")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="split the residual stream (norms, residual adds) over the tensor ranks along the sequence: "
+                        "tensor parallel's all-reduces become reduce-scatters and all-gathers (Megatron's sequence "
+                        "parallelism); a choice of the rule table, also in a layout file's rules")
     p.add_argument("--dtype", default=None,
                    help=f"compute dtype, the execution setting compute_dtype (default: the layout's, else {default_dtype})")
     p.set_defaults(default_dtype=default_dtype)

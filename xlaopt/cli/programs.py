@@ -61,7 +61,7 @@ def global_batch(given: BatchRequest, flags: GlobalBatch, config, mix: str | Non
 
 
 def layout_of(request: ProgramRequest) -> Layout:
-    return choose_layout(request.mesh, request.layout, request.model)
+    return choose_layout(request.mesh, request.layout, request.model, request.sequence_parallel)
 
 
 def compute_dtype(request: ProgramRequest, layout: Layout) -> str:

@@ -26,6 +26,7 @@ class ProgramRequest:
     overrides: tuple[str, ...]  # --set
     mesh: str
     layout: str | None
+    sequence_parallel: bool
     dtype: str | None
     default_dtype: str  # the command's, when neither --dtype nor a layout file says
     execution_settings: tuple[str, ...]  # --exec

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.mesh import MeshError, MeshSpec, make_mesh
 from xlaopt.program import TrainProgram, TrainSettings
-from xlaopt.sharding import DEFAULT_RULES, Rule, logical_to_spec, mesh_axes_of
+from xlaopt.sharding import DEFAULT_RULES, Rule, logical_to_spec, mesh_axes_of, with_sequence_parallel
 
 ROWS = "batch"  # the logical axis of a request's rows
 
@@ -56,7 +56,10 @@ class Placement:
         # mesh-layout also resolves a training batch and a traced step's activations; one row per
         # device divides however the rules split rows (only the parameters' specs are read here).
         batch = dataclasses.replace(family_of(config).default_batch(config), batch_size=spec.num_devices)
-        program = TrainProgram(config, spec, rules=tuple(rules), settings=TrainSettings(batch=batch),
+        # Sequence parallelism is a training choice: a decode step's one token does not split,
+        # and the parameters it would leave whole are laid out the same either way.
+        rules = with_sequence_parallel(rules, on=False)
+        program = TrainProgram(config, spec, rules=rules, settings=TrainSettings(batch=batch),
                                execution=execution, target=target)
         laid_out = MeshLayout().run(program, PassContext.for_program(program)).program
         return cls(laid_out, mesh)

@@ -8,6 +8,7 @@ The baseline is pure FSDP over every device, the common default, priced the same
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from xlaopt.analysis.costmodel import efficiency_for
@@ -22,6 +23,7 @@ from xlaopt.planning.residuals import saved_bytes_per_token_layer
 from xlaopt.planning.shapes import analytic_shape
 from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, enumerate_space
 from xlaopt.program import TrainProgram
+from xlaopt.sharding import with_sequence_parallel
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: a candidate's price is one object the plan updates
@@ -80,7 +82,8 @@ class Plan:
 def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
     execution = dataclasses.replace(base.execution, remat=c.remat, micro_batches=c.micro_batches,
                                     compute_dtype=c.compute_dtype)
-    return base.replace(mesh=c.mesh, execution=execution, shardings=None)
+    rules = with_sequence_parallel(base.rules) if c.sequence_parallel else base.rules
+    return base.replace(mesh=c.mesh, rules=rules, execution=execution, shardings=None)
 
 
 def compile_method(target: str, num_devices: int) -> str | None:
@@ -97,14 +100,16 @@ def compile_method(target: str, num_devices: int) -> str | None:
 
 
 def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int = 2, exhaustive: bool = False,
-         precisions: tuple[str, ...] = PRECISIONS, on_compile=None) -> Plan:
+         precisions: tuple[str, ...] = PRECISIONS, on_compile=None,
+         sequence_parallel: tuple[bool, ...] = (False, True), remats: tuple[str, ...] = REMATS) -> Plan:
     t0 = time.perf_counter()
     from xlaopt.analysis.attention_work import batch_work
 
     work = batch_work(program.replace(mesh=MeshSpec()), batch.arrays)  # the batch's work, not a layout's
     shape = _shape(program, work, batch)
     space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
-                                      topology.devices_per_node, program.execution.attention, precisions)
+                                      topology.devices_per_node, program.execution.attention, precisions,
+                                      sequence_parallel, remats)
     if not space:
         raise UserError(_no_split_message(program, topology, rejected))
     dense = program.execution.attention == "dense"
@@ -167,20 +172,30 @@ def _traced_residuals(program: TrainProgram, dtypes) -> tuple[dict, str]:
 def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, compile_one) -> list[Priced]:
     """Compile candidates best-first, one per mesh family and remat policy (near-twins that differ
     in a split the analytic model prices alike would only compile the same error twice), until `top`
-    fit. A compiled step over memory teaches how far the analytic memory is off for its remat
-    policy: later candidates whose analytic memory, scaled by that, is over are skipped uncompiled
-    (with the reason). At most 3 x top compiles."""
+    fit, and on while a candidate left could still beat the best compiled price (its analytic
+    price scaled by how far compiling its policy was off). A compiled step over memory teaches
+    how far the analytic memory is off for its remat policy: later candidates whose analytic
+    memory, scaled by that, is over are skipped uncompiled (with the reason). At most 3 x top
+    compiles."""
     if exhaustive:
         for p in fits:
             compile_one(p)
             _check_memory(p, hbm)
         return list(fits)
-    chosen, seen, scale = [], set(), {}
+    chosen, seen, scale, slower = [], set(), {}, {}
     attempts = 0
     for p in fits:
         c = p.candidate
-        if sum(not q.reason for q in chosen) >= top or attempts >= 3 * top:
+        if attempts >= 3 * top:
             break
+        if sum(not q.reason for q in chosen) >= top:
+            # Past `top`, only a candidate that could still win: its analytic price, as far off as
+            # compiling its remat policy showed (1 for a policy not compiled yet), under the best
+            # compiled price. XLA's scheduler holds back prefetches near the memory limit, which
+            # the analytic model does not see: a policy that saves more can compile slower.
+            best = min(q.step_time_s for q in chosen if not q.reason)
+            if p.analytic.step_time_s * slower.get(c.remat, 1.0) >= best:
+                continue
         if (c.kind, c.remat) in seen:
             continue
         factor = scale.get(c.remat, 1.0)
@@ -194,6 +209,7 @@ def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, co
         compile_one(p)
         if p.compiled is not None:
             scale[c.remat] = max(scale.get(c.remat, 1.0), p.memory_bytes / p.analytic.memory_bytes)
+            slower[c.remat] = min(slower.get(c.remat, math.inf), p.step_time_s / p.analytic.step_time_s)
         _check_memory(p, hbm)
         chosen.append(p)
     for p in fits:  # what the compiles showed applies to the candidates left uncompiled too
@@ -239,6 +255,9 @@ def _compiled_baseline(priced: list[Priced], topology: Topology, chosen: list[Pr
     return options[-1] if options else None
 
 
+BASELINE_REMATS = ("none", "dots", "full")
+
+
 def _rank_key(p: Priced):
     """Compiled prices among the compiled few; analytic ones for the rest."""
     c = p.candidate
@@ -256,12 +275,14 @@ def _shape(program: TrainProgram, work, batch: PricedBatch):
 
 
 def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:
-    """Pure FSDP over every device in bf16, as it is commonly run: the least recomputation, then
-    the fewest micro-batches (gradient accumulation to fit), those the analytic memory lets fit
-    first (none where, e.g., fewer rows than devices cannot split)."""
+    """Pure FSDP over every device in bf16, as it is commonly run: the least recomputation of
+    none, dots and full (not a named policy), then the fewest micro-batches (gradient accumulation
+    to fit), those the analytic memory lets fit first (none where, e.g., fewer rows than devices
+    cannot split)."""
     n, hbm = topology.num_devices, topology.device.hbm_bytes
     options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp) == (1, 1, 1)
-               and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"]
+               and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"
+               and p.candidate.remat in BASELINE_REMATS]
     options.sort(key=lambda p: (hbm > 0 and p.analytic.memory_bytes > hbm, REMATS.index(p.candidate.remat),
                                 p.candidate.micro_batches))
     return options

@@ -2,7 +2,9 @@
 model every published run is priced with) and memory per device from what the step holds.
 
 Software, as xlaopt's programs run: XLA fuses elementwise work; tensor parallelism all-reduces
-the activations (the rule table has no sequence parallelism); on the GPU target FSDP's gathers
+the activations, or with sequence parallelism reduce-scatters them onto the sequence shards and
+gathers the normed input back (the norms and residual adds then run on 1/tp of the tokens);
+on the GPU target FSDP's gathers
 and reductions overlap the layers (XLA's async collectives; the CPU target overlaps nothing);
 parameters are gathered and gradients reduced in fp32 (the master weights are cast to the compute
 dtype after the gather); pure data parallel replicates the optimizer state.
@@ -14,7 +16,8 @@ Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
              whole when not FSDP-sharded (the cast copy of the whole model);
   saved      what each layer keeps for backward, per token: `remat=full` its input (d), `dots` the
              matmul outputs, `none` every activation, a named policy its input and the activations
-             it names, times the layers and the micro-batch's tokens;
+             it names, times the layers and the micro-batch's tokens; with sequence parallelism the
+             residual stream's (the layer input, the output projections' results) 1/tp of it;
              traced from the program's jaxpr where the planner has it (`residuals`: without
              recomputation autodiff keeps ~2x what the shape's formula counts), the formula
              saying how tensor parallelism divides it;
@@ -44,7 +47,8 @@ class AnalyticPrice:
 
 
 def software(candidate: Candidate, target: str) -> analytic.Software:
-    return analytic.Software(fused_elementwise=True, recompute=candidate.remat, sequence_parallel=False,
+    return analytic.Software(fused_elementwise=True, recompute=candidate.remat,
+                             sequence_parallel=candidate.sequence_parallel,
                              tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
                              param_gather_bytes=4, grad_reduce_bytes=4)
 
@@ -64,34 +68,40 @@ def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape,
     return AnalyticPrice(breakdown.step_time_s, breakdown, sum(parts.values()), parts)
 
 
-def saved_per_token_layer(shape: analytic.DecoderShape, tp: int, compute: int) -> dict[str, float]:
+def saved_per_token_layer(shape: analytic.DecoderShape, tp: int, compute: int,
+                          sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes one layer keeps per token for backward, by remat policy, from the shape: the
-    attention block (norm, q, k, v, attention out, o) and the MLP (norm, up (+gate),
+    attention block (input, norm, q, k, v, attention out, o) and the MLP (norm, up (+gate),
     activation, down) in the compute dtype; `dots` (and `dots_no_batch`: the attention's own
     dots are counted apart) the matmul outputs; `full` the layer input; a named policy the layer
-    input and the named activations it saves that the backward reads (`named_elements`)."""
+    input and the named activations it saves that the backward reads (`named_elements`). With
+    sequence parallelism the residual stream (the layer input, the o and down projections'
+    results) is split over the tensor ranks; the norms' outputs are gathered whole."""
     d, dh = shape.d_model, shape.head_dim
     heads, kv, ffn = shape.heads / tp, shape.kv_heads / tp, shape.ffn / tp
+    stream = d / tp if sequence_parallel else d  # one residual-stream activation's share
     mlp_matrices = 3 if shape.mlp == "swiglu" else 2
-    every = compute * (2 * d + heads * dh + 2 * kv * dh + heads * dh + d + mlp_matrices * ffn + ffn + d)
-    dots = compute * (heads * dh + 2 * kv * dh + d + (mlp_matrices - 1) * ffn + d)
-    saved = {"none": every, "dots": dots, "dots_no_batch": dots, "full": compute * d}
-    elements = named_elements(shape, tp)
+    every = compute * (stream + d + heads * dh + 2 * kv * dh + heads * dh + stream + mlp_matrices * ffn + ffn + stream)
+    dots = compute * (heads * dh + 2 * kv * dh + stream + (mlp_matrices - 1) * ffn + stream)
+    saved = {"none": every, "dots": dots, "dots_no_batch": dots, "full": compute * stream}
+    elements = named_elements(shape, tp, sequence_parallel)
     for name, policy in remat.REMAT_POLICIES.items():
         if policy.saves is not None:
-            saved[name] = compute * (d + sum(elements.get(n, 0.0) for n in policy.saves))
+            saved[name] = compute * (stream + sum(elements.get(n, 0.0) for n in policy.saves))
     return saved
 
 
-def named_elements(shape: analytic.DecoderShape, tp: int) -> dict[str, float]:
+def named_elements(shape: analytic.DecoderShape, tp: int, sequence_parallel: bool = False) -> dict[str, float]:
     """Elements per token of each named activation a layer's backward reads (`xlaopt.models.remat`;
-    the MLP's output is not one), on one of `tp` tensor ranks (activations between the
-    projections are whole on each: no sequence parallelism)."""
+    the MLP's output is not one), on one of `tp` tensor ranks: the norms' outputs whole on each
+    (gathered for the projections), the attention output projection's result split with
+    sequence parallelism."""
     d, dh = shape.d_model, shape.head_dim
     heads, kv, ffn = shape.heads / tp, shape.kv_heads / tp, shape.ffn / tp
     mlp_in = {remat.MLP_GATE: ffn, remat.MLP_UP: ffn} if shape.mlp == "swiglu" else {remat.MLP_IN: ffn}
     return {remat.ATTENTION_NORM: d, remat.QUERY: heads * dh, remat.KEY: kv * dh, remat.VALUE: kv * dh,
-            remat.CONTEXT: heads * dh, remat.OUT: d, remat.MLP_NORM: d, **mlp_in, remat.MLP_HIDDEN: ffn}
+            remat.CONTEXT: heads * dh, remat.OUT: d / tp if sequence_parallel else d, remat.MLP_NORM: d,
+            **mlp_in, remat.MLP_HIDDEN: ffn}
 
 
 def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, dense_attention: bool,
@@ -105,7 +115,7 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
-    formula = saved_per_token_layer(shape, c.tp, compute)
+    formula = saved_per_token_layer(shape, c.tp, compute, c.sequence_parallel)
     saved = formula
     if traced is not None:
         whole = saved_per_token_layer(shape, 1, compute)

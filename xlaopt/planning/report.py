@@ -8,8 +8,9 @@ from xlaopt.planning.planner import Plan, Priced
 
 def priced_json(plan: Plan, p: Priced, full_layout: bool = True) -> dict:
     layout = plan.layout_for(p.candidate).to_json()
-    if not full_layout:  # every candidate has the default rules, batch, model and topology: said once
-        layout = {k: v for k, v in layout.items() if k in ("mesh", "order", "execution")}
+    if not full_layout:  # the base rules, batch, model and topology are every candidate's: said once
+        kept = ("mesh", "order", "execution") + (("rules",) if p.candidate.sequence_parallel else ())
+        layout = {k: v for k, v in layout.items() if k in kept}
     out = {"candidate": str(p.candidate), "kind": p.candidate.kind, "layout": layout, "method": p.method,
            "step_time_s": p.step_time_s, "mfu": plan.mfu(p), "memory_per_device_bytes": p.memory_bytes,
            "analytic_step_time_s": p.analytic.step_time_s, "analytic_memory_per_device_bytes": p.analytic.memory_bytes,

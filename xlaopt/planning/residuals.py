@@ -25,6 +25,8 @@ from xlaopt.errors import UserError
 from xlaopt.mesh import MeshSpec
 from xlaopt.program import TrainProgram
 
+# Traced where the formula is not exact; a named policy saves exactly its set (the layer input
+# and the activations it names: tests/test_remat.py), which the formula counts.
 POLICIES = ("none", "dots", "full")
 
 

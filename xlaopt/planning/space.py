@@ -3,7 +3,9 @@
 A candidate is a mesh (data replicas x FSDP shards x tensor x context over every device), the
 device order that keeps the tensor and context groups innermost and the FSDP shard group inside
 the data replicas (HSDP's shard group on the fast links: `DEVICE_ORDER_TENSOR_INNER`), a
-recomputation policy, a micro-batch count and a compute precision. Pure data parallel (fsdp=1),
+recomputation policy, a micro-batch count, a compute precision, and with tensor parallelism whether
+the rule table splits the residual stream over the tensor ranks too (sequence parallelism, which
+also splits each row's tokens over them). Pure data parallel (fsdp=1),
 pure FSDP (dp=1) and every HSDP split between them are enumerated. Tensor and context groups are
 kept inside a node (tp x cp <= devices per node): across the network their per-layer
 collectives cannot hide. Candidates that cannot be built say why (`Rejected`).
@@ -16,7 +18,12 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.execution import DTYPES
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 
-REMATS = ("none", "dots", "full")  # keep everything, keep matmul outputs, keep each layer's input
+# Recomputation policies (`xlaopt.models.remat`), from the least recomputed to the most: keep
+# everything; Megatron's selective (the core attention again); MaxText's named sets, from every
+# projection's and the attention's output down to q, k and v alone; JAX's matmul outputs; each
+# layer's input only.
+REMATS = ("none", "selective_megatron", "minimal_with_context", "dots", "save_dot_with_context_except_mlp",
+          "save_dot_except_mlp", "save_qkv_proj", "full")
 PRECISIONS = tuple(d for d in ("bfloat16", "float16") if d in DTYPES)  # fp32 compute is never the fast choice
 MAX_MICRO_BATCHES = 8
 
@@ -30,6 +37,7 @@ class Candidate:
     remat: str = "none"
     micro_batches: int = 1
     compute_dtype: str = "bfloat16"
+    sequence_parallel: bool = False
 
     @property
     def data(self) -> int:
@@ -46,12 +54,13 @@ class Candidate:
     @property
     def kind(self) -> str:
         base = "FSDP" if self.dp == 1 and self.fsdp > 1 else "HSDP" if self.fsdp > 1 else "DP"
-        return base + (f"+TP{self.tp}" if self.tp > 1 else "") + (f"+CP{self.cp}" if self.cp > 1 else "")
+        return (base + (f"+TP{self.tp}" if self.tp > 1 else "") + ("+SP" if self.sequence_parallel else "")
+                + (f"+CP{self.cp}" if self.cp > 1 else ""))
 
     def __str__(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.compute_dtype]
-        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp} cp={self.cp} remat={self.remat} "
-                f"mb={self.micro_batches} {dtype}")
+        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{' sp' if self.sequence_parallel else ''} cp={self.cp} "
+                f"remat={self.remat} mb={self.micro_batches} {dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +74,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_node: int, attention: str,
-                    precisions: tuple[str, ...] = PRECISIONS) -> tuple[list[Candidate], list[Rejected]]:
-    """(buildable candidates, rejected ones with their reasons) over all `num_devices` devices."""
+                    precisions: tuple[str, ...] = PRECISIONS, sequence_parallel: tuple[bool, ...] = (False, True),
+                    remats: tuple[str, ...] = REMATS) -> tuple[list[Candidate], list[Rejected]]:
+    """(buildable candidates, rejected ones with their reasons) over all `num_devices` devices;
+    `sequence_parallel` the choices tried where there is tensor parallelism, `remats` the
+    recomputation policies."""
     ok: list[Candidate] = []
     rejected: list[Rejected] = []
     from xlaopt.families import family_of
@@ -83,12 +95,15 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                 base = Candidate(data // fsdp, fsdp, tp, cp)
                 reason = _structural_reason(base, config, batch, stacked, tensor_dims, row_lengths, attention)
                 rows_per_rank = batch.batch_size // data if batch.batch_size % data == 0 else 0
-                for remat in REMATS:
-                    for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
-                        for dtype in precisions:
-                            c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype)
-                            why = reason or _remat_reason(stacked, remat)
-                            (rejected.append(Rejected(c, why)) if why else ok.append(c))
+                for sp in sequence_parallel if tp > 1 else (False,):
+                    split = reason or (_sequence_parallel_reason(base, row_lengths) if sp else "")
+                    for remat in remats:
+                        for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
+                            for dtype in precisions:
+                                c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
+                                                        sequence_parallel=sp)
+                                why = split or _remat_reason(stacked, remat)
+                                (rejected.append(Rejected(c, why)) if why else ok.append(c))
     return ok, rejected
 
 
@@ -110,6 +125,15 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, stacked: bool, t
                     "the segment loop that can split it is far slower on a GPU")
         if any(n % c.cp for n in row_lengths):
             return f"context={c.cp} does not divide the row's {' + '.join(map(str, row_lengths))} tokens"
+    return ""
+
+
+def _sequence_parallel_reason(c: Candidate, row_lengths: list) -> str:
+    """Sequence parallelism splits a row's tokens over context x tensor ranks: each part must."""
+    ways = c.cp * c.tp
+    if any(n % ways for n in row_lengths):
+        return (f"sequence parallel: context x tensor = {ways} does not divide the row's "
+                f"{' + '.join(map(str, row_lengths))} tokens")
     return ""
 
 
