@@ -221,3 +221,26 @@ def test_past_top_the_planner_compiles_on_only_what_could_still_win():
     # The HSDP twin of the first is 31 x 40/30 away (no better); full has not been compiled, so it
     # is; full's HSDP twin, 36 x 36/35, no longer beats 36 s, and none's 50 s never could.
     assert [(p.candidate.fsdp, p.candidate.remat) for p in chosen] == [(8, "minimal_with_context"), (8, "full")]
+
+
+def test_candidates_that_differ_only_in_an_unneeded_fp16_are_shown_once_bf16_first():
+    from xlaopt.planning.planner import Priced
+    from xlaopt.planning.price import AnalyticPrice
+    from xlaopt.planning.report import _with_twins, format_plan
+    from xlaopt.planning.space import Candidate
+
+    def priced(dtype, seconds, fsdp=8):
+        return Priced(Candidate(8 // fsdp, fsdp, 1, 1, "full", 1, dtype), AnalyticPrice(seconds, None, 2**30, {}))
+
+    ranked = [priced("bfloat16", 1.0), priced("float16", 1.0), priced("float16", 1.5, 4), priced("bfloat16", 2.0, 4)]
+    rows = _with_twins([{"candidate": str(p.candidate), "kind": p.candidate.kind, "rank": i, "step_time_s":
+                         p.step_time_s, "mfu": 0.5, "memory_per_device_bytes": 2**30, "method": "analytic",
+                         "reason": ""} for i, p in enumerate(ranked, 1)], ranked)
+    # fp16 pricing the same as its bf16 twin is marked; one that prices differently is not.
+    assert [r.get("same_as") for r in rows] == [None, str(ranked[0].candidate), None, None]
+    text = format_plan({"model": "m", "topology": "t", "devices": 8, "attention": "dense", "method": "analytic",
+                        "batch": {"global_batch": 8, "row_tokens": 16}, "candidates": rows, "unfit": [],
+                        "rejected": [], "baseline": None, "best": {**rows[0], "analytic_memory_per_device_bytes": 1},
+                        "counts": {"space": 4, "fit": 4, "unfit": 0, "rejected": 0, "compiled": 0}, "seconds": 0.1})
+    assert str(ranked[1].candidate) not in text and str(ranked[2].candidate) in text
+    assert "(not shown: 1 candidate(s) pricing the same as a better-ranked twin" in text

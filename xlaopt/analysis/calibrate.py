@@ -111,7 +111,13 @@ class Run:
         return self.layout.global_batch * self.layout.seq_len
 
 
-def read_runs(path: str | pathlib.Path) -> list[Run]:
+# Published training runs shipped with the package, the `source` column naming each row's origin:
+# a copy of the shared calibration set (../shared/calibration/published_runs.csv; its README gives
+# the columns' meaning and each row's caveats), which the project may extend with rows of its own.
+PUBLISHED_RUNS = pathlib.Path(__file__).with_name("published_runs.csv")
+
+
+def read_runs(path: str | pathlib.Path = PUBLISHED_RUNS) -> list[Run]:
     """Parse the CSV; a missing column or an empty required field raises UserError naming it."""
     path = pathlib.Path(path)
     if not path.is_file():
@@ -411,10 +417,11 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
     return steps
 
 
-def main_calibrate(runs_path: str | pathlib.Path, json_out: str | pathlib.Path | None = None,
+def main_calibrate(runs_path: str | pathlib.Path = PUBLISHED_RUNS, json_out: str | pathlib.Path | None = None,
                    method: str = "analytic", refit_only: bool = False) -> dict:
-    """`xlaopt calibrate --runs CSV [--method analytic|compiled] [--json OUT]`: the report with the
-    frozen efficiencies; with `refit_only` (`--fit`), `refit` instead."""
+    """`xlaopt calibrate [--runs CSV] [--method analytic|compiled] [--json OUT]`: the report with
+    the frozen efficiencies (on the packaged published runs by default); with `refit_only`
+    (`--fit`), `refit` instead."""
     import sys
 
     log = lambda message: print(message, file=sys.stderr, flush=True)

@@ -65,15 +65,15 @@ class Efficiency:
 
 # Fitted by `xlaopt.analysis.calibrate.fit`: Nelder-Mead from `calibrate.FIT_START` (restarted once from
 # its best point), minimising the mean |log(predicted / measured)| over all 11 rows of
-# ../shared/calibration/published_runs.csv (MaxText R01; TorchTitan R05, R06, R08; NeMo R11, R12,
+# xlaopt/analysis/published_runs.csv (MaxText R01; TorchTitan R05, R06, R08; NeMo R11, R12,
 # R13; Megatron-Bridge R14, R16; Megatron-LM R21; LLM Foundry R23), every row weighted equally and
 # priced by `xlaopt.analysis.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
 # separate them, see `calibrate._FRACTIONS`); rounded to 3 significant figures.
-# `xlaopt calibrate --runs CSV --fit` redoes this fit and prints the literal below; last redone
+# `xlaopt calibrate --fit` redoes this fit and prints the literal below; last redone
 # 2026-12-03, after the residual stream's norms and adds were priced on every tensor rank unless a
 # run has sequence parallelism (Megatron-LM SC21's R21 has none): mean |log| 0.0514 against the
 # earlier values' 0.0526. tests/test_calibrate.py refits and checks these
-# values; `xlaopt calibrate --runs CSV` prints the per-row and leave-one-out errors. Do not retune
+# values; `xlaopt calibrate` prints the per-row and leave-one-out errors. Do not retune
 # against single rows: other published runs are held out to test these values.
 FITTED = Efficiency(matmul_max=0.639, matmul_max_ampere=0.807, matmul_half_flops=3.53e+10, attention=0.226,
                     nvlink=0.565, network=0.565)

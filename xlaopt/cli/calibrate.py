@@ -9,7 +9,7 @@ from xlaopt.cli.requests import request_of
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateRequest:
-    runs: str
+    runs: str | None
     method: str
     fit: bool
     json: str | None
@@ -18,7 +18,9 @@ class CalibrateRequest:
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="price published training runs with the cost model; per-row and "
                                          "leave-one-out errors")
-    p.add_argument("--runs", required=True, metavar="CSV", help="published runs (schema: shared/calibration/README.md)")
+    p.add_argument("--runs", default=None, metavar="CSV",
+                   help="published runs (default: the 11 shipped with xlaopt, xlaopt/analysis/published_runs.csv; "
+                        "schema: its columns, documented in docs/analysis.md)")
     p.add_argument("--method", default="analytic", choices=("analytic", "compiled"),
                    help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
                         "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
@@ -35,8 +37,9 @@ def main(args: argparse.Namespace) -> int:
 
 def run(request: CalibrateRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
-    from xlaopt.analysis.calibrate import format_refit, format_table, main_calibrate
+    from xlaopt.analysis.calibrate import PUBLISHED_RUNS, format_refit, format_table, main_calibrate
 
-    result = main_calibrate(request.runs, request.json, method=request.method, refit_only=request.fit)
+    result = main_calibrate(request.runs or PUBLISHED_RUNS, request.json, method=request.method,
+                            refit_only=request.fit)
     print(format_refit(result) if request.fit else format_table(result))
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 from xlaopt.planning.planner import Plan, Priced
 
@@ -35,7 +36,8 @@ def plan_json(plan: Plan) -> dict:
         "baseline": priced_json(plan, plan.baseline) if plan.baseline is not None else None,
         "best_speedup_over_baseline": (plan.baseline.step_time_s / plan.best.step_time_s
                                        if plan.baseline is not None else None),
-        "candidates": [dict(priced_json(plan, p, full_layout=False), rank=i) for i, p in enumerate(plan.ranked, 1)],
+        "candidates": _with_twins([dict(priced_json(plan, p, full_layout=False), rank=i)
+                                   for i, p in enumerate(plan.ranked, 1)], plan.ranked),
         "unfit": [priced_json(plan, p, full_layout=False) for p in plan.unfit],
         "rejected": [{"reason": reason, "candidates": n} for reason, n in rejected.most_common()],
         "counts": {"space": len(plan.ranked) + len(plan.unfit) + len(plan.rejected), "fit": len(plan.ranked),
@@ -46,16 +48,38 @@ def plan_json(plan: Plan) -> dict:
     }
 
 
+def _with_twins(rows: list[dict], ranked: list[Priced]) -> list[dict]:
+    """Each row that differs from an earlier one only in its compute dtype and prices the same
+    (fp16 against bf16 where nothing needs its loss scaling) gets `same_as`: the earlier row's
+    candidate, which the ranking puts first (bf16, the simpler: no loss scale)."""
+    seen: dict = {}
+    for row, p in zip(rows, ranked):
+        c = p.candidate
+        key = (dataclasses.replace(c, compute_dtype="bfloat16"), p.step_time_s, p.memory_bytes)
+        if key in seen:
+            row["same_as"] = seen[key]
+        else:
+            seen[key] = row["candidate"]
+    return rows
+
+
 def format_plan(result: dict, rows: int = 12) -> str:
     gib = lambda x: f"{x / 2**30:,.1f}"
     b = result["batch"]
     lines = [f"plan {result['model']} on {result['topology']} ({result['devices']} devices), global batch "
              f"{b['global_batch']} rows of {b['row_tokens']:,} tokens, attention {result['attention']}; "
-             f"best few priced {result['method']}",
-             f"{'#':>3}  {'layout':<50}{'kind':<14}{'step s':>9}{'MFU':>7}{'GiB/dev':>9}  method    reason"]
-    for c in result["candidates"][:rows]:
-        lines.append(f"{c['rank']:>3}  {c['candidate']:<50}{c['kind']:<14}{c['step_time_s']:>9.3f}"
+             f"best few priced {result['method']}"]
+    shown = [c for c in result["candidates"] if "same_as" not in c][:rows]
+    width = max([50] + [len(c["candidate"]) + 2 for c in shown])
+    kind = max([14] + [len(c["kind"]) + 2 for c in shown])
+    lines.append(f"{'#':>3}  {'layout':<{width}}{'kind':<{kind}}{'step s':>9}{'MFU':>7}{'GiB/dev':>9}  method    reason")
+    for c in shown:
+        lines.append(f"{c['rank']:>3}  {c['candidate']:<{width}}{c['kind']:<{kind}}{c['step_time_s']:>9.3f}"
                      f"{c['mfu'] * 100:>6.1f}%{gib(c['memory_per_device_bytes']):>9}  {c['method']:<9} {c['reason']}")
+    twins = sum("same_as" in c for c in result["candidates"])
+    if twins:
+        lines.append(f"  (not shown: {twins} candidate(s) pricing the same as a better-ranked twin that differs only "
+                     f"in compute dtype, fp16 where nothing needs its loss scaling; the JSON marks them `same_as`)")
     base, best = result["baseline"], result["best"]
     if base is None:
         lines.append(f"baseline (pure FSDP over {result['devices']} devices): cannot split the batch")
