@@ -359,3 +359,27 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
     assert [r["id"] for r in report["rows"]] == [r.id for r in cal.read_runs()]
     assert report["median_abs_rel_error"] == cal.calibrate(cal.read_runs())["median_abs_rel_error"]
     assert "median |error|" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not __import__("xlaopt.analysis.gpu_aot", fromlist=["x"]).available(),
+                    reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
+    """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
+    re-priced under other efficiencies without compiling again. Pipeline, fp8 and A100 rows are
+    priced analytically with the reason."""
+    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
+             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
+             "micro_batch": "1"}
+    rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "precision": "fp8"},
+            {**small, "id": "X4", "gpu": "A100-SXM4-80GB"}]
+    result = cal.calibrate(cal.read_runs(_write(tmp_path / "runs.csv", rows)), leave_one_out=False,
+                           method="compiled", target="gpu")
+    by_id = {r["id"]: r for r in result["rows"]}
+    assert result["target"] == "gpu" and by_id["X1"]["method"] == "compiled" and by_id["X1"]["predicted"] > 0
+    assert by_id["X1"]["breakdown"]["step_time_s"] == pytest.approx(by_id["X1"]["predicted"])  # a step_time_s row
+    assert [by_id[k]["method"] for k in ("X2", "X3", "X4")] == ["analytic"] * 3
+    assert "pipeline parallel (pp=2)" in by_id["X2"]["reason"] and "fp8" in by_id["X3"]["reason"]
+    assert "needs Hopper" in by_id["X4"]["reason"]
+    steps = cal.compile_gpu_rows([cal.prepare(r) for r in cal.read_runs(_write(tmp_path / "one.csv", [small]))])
+    slower = dataclasses.replace(cm.FITTED, matmul_max=cm.FITTED.matmul_max / 2)
+    assert steps["X1"].price(slower)["compute_s"] > steps["X1"].price()["compute_s"]

@@ -38,7 +38,7 @@ def check_fits(program: TrainProgram, topology: Topology) -> None:
                         f"{topology.name} has {topology.num_devices}; use a smaller mesh or a larger topology")
 
 
-def _compiled(program: TrainProgram, topology: Topology, target: str):
+def compiled_for(program: TrainProgram, topology: Topology, target: str):
     """(CompiledProgram, lower seconds, compile seconds)."""
     from xlaopt.compile import compile_program
 
@@ -80,7 +80,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
     program, target, batch = _resolve(program, topology, target, batch)
     work = batch_work(program, batch.arrays)
-    compiled, lower_s, compile_s = _compiled(program, topology, target)
+    compiled, lower_s, compile_s = compiled_for(program, topology, target)
     executable = compiled.train_step
     t0 = time.perf_counter()
     text = executable.as_text()

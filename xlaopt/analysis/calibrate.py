@@ -48,6 +48,7 @@ REQUIRED_VALUES = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "layer
                    "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp", "precision", "metric", "value")
 METRICS = ("step_time_s", "tokens_per_s_per_gpu")
 METHODS = ("analytic", "compiled")
+TARGETS = ("cpu", "gpu")  # what the compiled method compiles for
 
 # Schedule facts a row may state in optional columns, and what is assumed when it does not:
 # one sequence per micro-batch (the smallest, as Megatron-style pipelines run; the most
@@ -333,16 +334,20 @@ def refit(runs: list[Run]) -> dict:
 # --- the report ---------------------------------------------------------------------------------
 
 def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bool = True,
-              method: str = "analytic", attention: str = "kernel", log=None) -> dict:
+              method: str = "analytic", attention: str = "kernel", log=None, target: str = "cpu") -> dict:
     """Per-row predictions with `eff`, summary errors, and leave-one-out figures (refit without
-    each modelled row, predict it). `method` "compiled" compiles the rows it can (see the module
-    docstring; `attention` as in `xlaopt.analysis.calibrate_compiled`) and prices the rest analytically;
-    `log(message)` hears about each compilation."""
+    each modelled row, predict it). `method` "compiled" compiles the rows it can for `target`
+    (see the module docstring; `attention` as in `xlaopt.analysis.calibrate_compiled`, the CPU
+    target's) and prices the rest analytically; `log(message)` hears about each compilation."""
     if method not in METHODS:
         raise UserError(f"calibration method {method!r}; use one of {', '.join(METHODS)}")
+    if target not in TARGETS:
+        raise UserError(f"calibration target {target!r}; use one of {', '.join(TARGETS)}")
     prepared = [(run, prepare(run)) for run in runs]
     priced = [p for _, p in prepared if isinstance(p, Priced)]
-    steps = compile_rows(priced, attention, log) if method == "compiled" else {}
+    steps = {}
+    if method == "compiled":
+        steps = compile_gpu_rows(priced, log) if target == "gpu" else compile_rows(priced, attention, log)
     rows = []
     for run, p in prepared:
         # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
@@ -369,7 +374,8 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
                          mesh=str(step.mesh), attention=step.attention, compile_s=step.timings_s,
                          breakdown=priced_step, approximations=step.approximations, **defaults))
     errors = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
-    result = dict(method=method, efficiency=dataclasses.asdict(eff), rows=rows,
+    result = dict(method=method, target=target if method == "compiled" else None, efficiency=dataclasses.asdict(eff),
+                  rows=rows,
                   median_abs_rel_error=float(np.median(errors)) if errors else None,
                   max_abs_rel_error=float(np.max(errors)) if errors else None,
                   modelled=len(priced), unmodelled=len(runs) - len(priced),
@@ -417,15 +423,29 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
     return steps
 
 
+def compile_gpu_rows(priced: list[Priced], log=None) -> dict:
+    """Row id -> its `calibrate_gpu.GpuStep`, or why it was not compiled for its GPUs."""
+    from xlaopt.analysis import calibrate_gpu as cg
+
+    steps = {}
+    for p in priced:
+        why = cg.gpu_blocker(p)
+        if not why and log is not None:
+            log(f"compiling {p.run.id} ({p.run.model}, mesh {cg.mesh_for(p.run.layout)}, {p.topology.name}) ...")
+        steps[p.run.id] = why or cg.compile_gpu_step(p)
+    return steps
+
+
 def main_calibrate(runs_path: str | pathlib.Path = PUBLISHED_RUNS, json_out: str | pathlib.Path | None = None,
-                   method: str = "analytic", refit_only: bool = False) -> dict:
+                   method: str = "analytic", refit_only: bool = False, target: str = "cpu") -> dict:
     """`xlaopt calibrate [--runs CSV] [--method analytic|compiled] [--json OUT]`: the report with
     the frozen efficiencies (on the packaged published runs by default); with `refit_only`
     (`--fit`), `refit` instead."""
     import sys
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
-    result = refit(read_runs(runs_path)) if refit_only else calibrate(read_runs(runs_path), method=method, log=log)
+    result = (refit(read_runs(runs_path)) if refit_only
+              else calibrate(read_runs(runs_path), method=method, log=log, target=target))
     result["runs"] = str(runs_path)
     if json_out is not None:
         pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")

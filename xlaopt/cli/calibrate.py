@@ -5,12 +5,14 @@ import argparse
 import dataclasses
 
 from xlaopt.cli.requests import request_of
+from xlaopt.errors import UserError
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibrateRequest:
     runs: str | None
     method: str
+    target: str
     fit: bool
     json: str | None
 
@@ -25,6 +27,10 @@ def register(sub) -> None:
                    help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
                         "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
                         "devices and price the HLO with the simulator, the rest analytically (about a minute)")
+    p.add_argument("--target", default="cpu", choices=("cpu", "gpu"),
+                   help="what --method compiled compiles for: simulated CPU devices (default), or deviceless for "
+                        "each row's GPUs, whole step, priced from XLA's GPU schedule (needs xlaopt[gpu-aot]; rows "
+                        "it cannot build yet, pipeline, context parallel or fp8, are priced analytically)")
     p.add_argument("--fit", action="store_true",
                    help="refit the efficiencies on the CSV's modelled rows and print them to 3 significant "
                         "figures beside the frozen costmodel.FITTED (changes nothing)")
@@ -39,7 +45,9 @@ def run(request: CalibrateRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.analysis.calibrate import PUBLISHED_RUNS, format_refit, format_table, main_calibrate
 
+    if request.target == "gpu" and request.method != "compiled":
+        raise UserError("--target gpu is what --method compiled compiles for; add --method compiled")
     result = main_calibrate(request.runs or PUBLISHED_RUNS, request.json, method=request.method,
-                            refit_only=request.fit)
+                            refit_only=request.fit, target=request.target)
     print(format_refit(result) if request.fit else format_table(result))
     return 0
