@@ -122,6 +122,10 @@ def test_plan_ranks_compiles_writes_a_layout_that_trains_and_verifies(tmp_path, 
     planned = load_layout(layout)
     assert planned.model == "llama-tiny" and planned.topology == "cpu:1x8"
     assert planned.mesh.num_devices == 8 and planned.batch.batch_size == result["batch"]["global_batch"]
+    # The planned layout's `analyze` is its plan: the planner priced it after the same passes.
+    assert main(["analyze", *LLAMA, "--layout", str(layout), "--topology", "cpu:1x8",
+                 "--json", str(tmp_path / "analyze.json")]) == 0
+    assert json.loads((tmp_path / "analyze.json").read_text())["step_time_s"] == pytest.approx(best["step_time_s"])
     capsys.readouterr()
     assert main(["verify", *LLAMA, "--layout", str(layout), "--dtype", "float32"]) == 0
     assert "ok" in capsys.readouterr().out

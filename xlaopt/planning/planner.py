@@ -295,12 +295,16 @@ def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
 
 
 def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBatch, on_compile) -> None:
+    """Compile and price a candidate after the passes that follow the planner in the pipeline
+    (mesh-layout, Ulysses for context parallel, the overlap flags on the GPU target, ...), so its
+    price is what `xlaopt analyze --layout` gives for the planned layout."""
     from xlaopt.analysis.analyze import analyze
     from xlaopt.context import PassContext
-    from xlaopt.passes.mesh_layout import MeshLayout
+    from xlaopt.pipeline import pipeline, run_pipeline
 
     program = candidate_program(base, p.candidate)
-    program = MeshLayout().run(program, PassContext.for_program(program, topology)).program
+    after = [q for q in pipeline() if q.name != "layout-plan"]
+    program, _ = run_pipeline(program, after, ctx=PassContext.for_program(program, topology))
     try:
         p.compiled = analyze(program, topology, program.target, batch=batch)
     except Exception as e:  # noqa: BLE001 - a compiler's refusal is a ranking fact, not the planner's failure
