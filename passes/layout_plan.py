@@ -25,6 +25,7 @@ class LayoutPlan(OffUnlessEnabled):
     exhaustive: bool = False  # compile every candidate that fits
     mix: str = ""  # price rows packed from this sample mix (Cosmos 3); default: the synthetic stream
     data: str = ""  # or from this sample store
+    remats: tuple[str, ...] = ()  # the recomputation policies planned over; (): the planner's (`space.REMATS`)
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         if ctx.topology is None:
@@ -41,7 +42,8 @@ class LayoutPlan(OffUnlessEnabled):
         from xlaopt.planning.planner import plan
         from xlaopt.planning.report import plan_json
 
-        result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive)
+        kw = {"remats": self.remats} if self.remats else {}
+        result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive, **kw)
         report = dict(plan_json(result), data=batch.source)
         best = result.best.candidate
         return {"program": result.program_for(best), "layout": result.layout_for(best), "report": report,

@@ -238,6 +238,8 @@ ROWS = [
     Row("calibrate-target-without-compiled", ARGS, "`calibrate --target gpu` (analytic method)",
         lambda w: ["calibrate", "--target", "gpu"],
         "--target gpu is what --method compiled compiles for; add --method compiled", UNCHANGED),
+    Row("plan-unknown-remat-policy", ARGS, "`plan --remat fullest`", lambda w: [*PLAN, "--remat", "fullest"],
+        "--remat 'fullest': fullest is not a recomputation policy; policies: none, full, dots", UNCHANGED),
     Row("set-value-of-wrong-type", ARGS, "`plan --set num_layers=abc`",
         lambda w: [*PLAN, "--set", "num_layers=abc"], "--set num_layers='abc': not a valid int", UNCHANGED),
     Row("exec-without-value", ARGS, "`inspect --exec remat`", lambda w: ["inspect", *LLAMA, "--exec", "remat"],

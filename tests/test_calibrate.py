@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from xlaopt.analysis import analytic, calibrate as cal, costmodel as cm
+from xlaopt.analysis import analytic, calibrate as cal, costmodel as cm, gpu_aot
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.errors import UserError
 
@@ -361,8 +361,7 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
     assert "median |error|" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not __import__("xlaopt.analysis.gpu_aot", fromlist=["x"]).available(),
-                    reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
 def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
     re-priced under other efficiencies without compiling again. Pipeline, fp8 and A100 rows are

@@ -248,3 +248,16 @@ def test_candidates_that_differ_only_in_an_unneeded_fp16_are_shown_once_bf16_fir
                         "counts": {"space": 4, "fit": 4, "unfit": 0, "rejected": 0, "compiled": 0}, "seconds": 0.1})
     assert str(ranked[1].candidate) not in text and str(ranked[2].candidate) in text
     assert "(not shown: 1 candidate(s) pricing the same as a better-ranked twin" in text
+
+
+def test_plan_over_the_recomputation_policies_asked_for():
+    from xlaopt.analysis.priced_batch import synthetic_batch
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.cli.plan import remats
+    from xlaopt.planning.planner import plan
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    assert remats("full, save_qkv_proj") == ("full", "save_qkv_proj") and remats(None) == ()
+    program = TrainProgram(get_config("llama-tiny", {"num_layers": 2}), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
+    result = plan(program, parse_topology("cpu:1x8"), synthetic_batch(program), top=0, remats=("full", "save_qkv_proj"))
+    assert {p.candidate.remat for p in result.ranked + result.unfit} == {"full", "save_qkv_proj"}

@@ -19,6 +19,7 @@ class PlanRequest:
     target: str
     top: int
     exhaustive: bool
+    remat: str | None
     execution_settings: tuple[str, ...]
     from_layout: str | None
     out: str | None
@@ -49,6 +50,10 @@ def register(sub) -> None:
                         "is installed, else cpu (simulated devices, up to 512), else analytic prices only")
     p.add_argument("--top", type=int, default=2, metavar="K", help="compile and price the best K (default 2)")
     p.add_argument("--exhaustive", action="store_true", help="compile every candidate that fits (slow; for testing)")
+    p.add_argument("--remat", default=None, metavar="POLICY[,POLICY...]",
+                   help="the recomputation policies to plan over (xlaopt.models.remat names; default: none, "
+                        "selective_megatron, minimal_with_context, dots, save_dot_with_context_except_mlp, "
+                        "save_dot_except_mlp, save_qkv_proj, full); fewer plans faster")
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="execution settings every candidate shares (attention, attention_block, layer_stack); remat, "
                         "micro_batches and compute_dtype are what the planner chooses")
@@ -75,9 +80,25 @@ def main(args: argparse.Namespace) -> int:
                           rows=RowSource(args.data, args.mix), execution_settings=args.exec, rows_shown=args.rows))
 
 
+def remats(given: str | None) -> tuple[str, ...]:
+    """--remat's policies, each a priced policy of `xlaopt.models.remat`; () when not given."""
+    if given is None:
+        return ()
+    from xlaopt.analysis.analytic import priced_recompute
+    from xlaopt.models.remat import REMAT_POLICIES
+
+    names = tuple(n.strip() for n in given.split(",") if n.strip())
+    unknown = [n for n in names if n not in REMAT_POLICIES or not priced_recompute(n)]
+    if unknown or not names:
+        raise UserError(f"--remat {given!r}: {', '.join(unknown) or 'no policy'} is not a recomputation policy; "
+                        f"policies: {', '.join(REMAT_POLICIES)}")
+    return names
+
+
 def run(request: PlanRequest) -> int:
     if request.serve is not None:
         return _serving(request)
+    policies = remats(request.remat)  # a bad name is refused before any work
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.planning.defaults import prepare_devices
 
@@ -104,7 +125,7 @@ def run(request: PlanRequest) -> int:
                                                data=request.rows.data, batch=given,
                                                execution_settings=request.execution_settings, seed=request.seed,
                                                old=old)
-    planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive)
+    planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies)
     result = planner.plan_with(program, PassContext.for_program(program, topology), batch)
     report = result["report"]
     report["target_note"] = target_note
