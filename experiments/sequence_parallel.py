@@ -68,6 +68,7 @@ def priced_layout(sequence_parallel: bool, pipelined: bool) -> dict:
 
 def planned(new_dimensions: bool) -> dict:
     from xlaopt.analysis.topology import parse_topology
+    from xlaopt.pipeline import after_planning
     from xlaopt.planning.planner import plan
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -76,7 +77,7 @@ def planned(new_dimensions: bool) -> dict:
     topology = parse_topology(TOPOLOGY)
     program, batch = base_program(MODEL, topology, None, ROWS, SEQ)
     old = {} if new_dimensions else {"sequence_parallel": (False,), "remats": ("none", "dots", "full")}
-    p = plan(program, topology, batch, **old)
+    p = plan(program, topology, batch, prepare=after_planning, **old)
     best = p.best
     return {"new_dimensions": new_dimensions, "best": str(best.candidate), "kind": best.candidate.kind,
             "method": best.method, "step_time_s": best.step_time_s, "mfu": p.mfu(best),

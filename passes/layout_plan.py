@@ -37,12 +37,13 @@ class LayoutPlan(OffUnlessEnabled):
         planned = self.plan_with(program, ctx, batch)
         return PassResult(planned["program"], planned["program"] != program, planned["report"])
 
-    def plan_with(self, program: TrainProgram, ctx: PassContext, batch) -> dict:
-        """The plan for `program` priced on `batch` (a `PricedBatch`): {program, layout, report, plan}."""
+    def plan_with(self, program: TrainProgram, ctx: PassContext, batch, prepare=None) -> dict:
+        """The plan for `program` priced on `batch` (a `PricedBatch`): {program, layout, report, plan};
+        `prepare` as `plan`'s (`xlaopt plan` gives the passes that follow this one)."""
         from xlaopt.planning.planner import plan
         from xlaopt.planning.report import plan_json
 
-        kw = {"remats": self.remats} if self.remats else {}
+        kw = ({"remats": self.remats} if self.remats else {}) | ({"prepare": prepare} if prepare else {})
         result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive, **kw)
         report = dict(plan_json(result), data=batch.source)
         best = result.best.candidate

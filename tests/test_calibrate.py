@@ -379,6 +379,8 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     assert [by_id[k]["method"] for k in ("X2", "X3", "X4")] == ["analytic"] * 3
     assert "pipeline parallel (pp=2)" in by_id["X2"]["reason"] and "fp8" in by_id["X3"]["reason"]
     assert "needs Hopper" in by_id["X4"]["reason"]
-    steps = cal.compile_gpu_rows([cal.prepare(r) for r in cal.read_runs(_write(tmp_path / "one.csv", [small]))])
+    from xlaopt.analysis.calibrate_gpu import compile_rows
+
+    steps = compile_rows([cal.prepare(r) for r in cal.read_runs(_write(tmp_path / "one.csv", [small]))])
     slower = dataclasses.replace(cm.FITTED, matmul_max=cm.FITTED.matmul_max / 2)
     assert steps["X1"].price(slower)["compute_s"] > steps["X1"].price()["compute_s"]

@@ -58,6 +58,14 @@ def pipeline(options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Pa
     return tuple(cls(**options.get(name, {})) for name, cls in classes.items())
 
 
+def after_planning(program: TrainProgram, topology) -> TrainProgram:
+    """`program` through the passes that follow layout-plan, with their defaults: what the
+    planner compiles a candidate after (`planning.planner.plan`'s `prepare`), so its price is
+    what `xlaopt analyze --layout` gives for the planned layout."""
+    passes = [p for p in pipeline() if p.name != "layout-plan"]
+    return run_pipeline(program, passes, ctx=PassContext.for_program(program, topology))[0]
+
+
 def parse_pass_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     """`pass.field=value` strings (the CLI's `--pass-option`), typed by the pass's fields."""
     from xlaopt.models.registry import parse_assignments

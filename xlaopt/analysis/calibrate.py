@@ -347,7 +347,12 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
     priced = [p for _, p in prepared if isinstance(p, Priced)]
     steps = {}
     if method == "compiled":
-        steps = compile_gpu_rows(priced, log) if target == "gpu" else compile_rows(priced, attention, log)
+        if target == "gpu":
+            from xlaopt.analysis.calibrate_gpu import compile_rows as compile_gpu_rows
+
+            steps = compile_gpu_rows(priced, log)
+        else:
+            steps = compile_rows(priced, attention, log)
     rows = []
     for run, p in prepared:
         # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
@@ -420,19 +425,6 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
         if log is not None:
             log(f"compiling {p.run.id} ({p.run.model}, mesh {cc.mesh_for(p.run.layout)}) ...")
         steps[p.run.id] = cc.compile_step(p, attention)
-    return steps
-
-
-def compile_gpu_rows(priced: list[Priced], log=None) -> dict:
-    """Row id -> its `calibrate_gpu.GpuStep`, or why it was not compiled for its GPUs."""
-    from xlaopt.analysis import calibrate_gpu as cg
-
-    steps = {}
-    for p in priced:
-        why = cg.gpu_blocker(p)
-        if not why and log is not None:
-            log(f"compiling {p.run.id} ({p.run.model}, mesh {cg.mesh_for(p.run.layout)}, {p.topology.name}) ...")
-        steps[p.run.id] = why or cg.compile_gpu_step(p)
     return steps
 
 

@@ -125,3 +125,14 @@ def compile_gpu_step(priced) -> GpuStep | str:
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
                                                 schedule=time.perf_counter() - t1), approximations(priced))
 
+
+
+def compile_rows(priced: list, log=None) -> dict:
+    """Row id -> its `GpuStep`, or why it was not compiled for its GPUs (`priced`: `calibrate.Priced`)."""
+    steps = {}
+    for p in priced:
+        why = gpu_blocker(p)
+        if not why and log is not None:
+            log(f"compiling {p.run.id} ({p.run.model}, mesh {mesh_for(p.run.layout)}, {p.topology.name}) ...")
+        steps[p.run.id] = why or compile_gpu_step(p)
+    return steps

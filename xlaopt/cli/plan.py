@@ -109,6 +109,7 @@ def run(request: PlanRequest) -> int:
     from xlaopt.context import PassContext
     from xlaopt.layout import load_layout
     from xlaopt.passes.layout_plan import LayoutPlan
+    from xlaopt.pipeline import after_planning
     from xlaopt.planning.defaults import plan_program
     from xlaopt.planning.report import format_plan
 
@@ -126,7 +127,7 @@ def run(request: PlanRequest) -> int:
                                                execution_settings=request.execution_settings, seed=request.seed,
                                                old=old)
     planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies)
-    result = planner.plan_with(program, PassContext.for_program(program, topology), batch)
+    result = planner.plan_with(program, PassContext.for_program(program, topology), batch, prepare=after_planning)
     report = result["report"]
     report["target_note"] = target_note
     print(format_plan(report, request.rows_shown))

@@ -101,7 +101,12 @@ def compile_method(target: str, num_devices: int) -> str | None:
 
 def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int = 2, exhaustive: bool = False,
          precisions: tuple[str, ...] = PRECISIONS, on_compile=None,
-         sequence_parallel: tuple[bool, ...] = (False, True), remats: tuple[str, ...] = REMATS) -> Plan:
+         sequence_parallel: tuple[bool, ...] = (False, True), remats: tuple[str, ...] = REMATS,
+         prepare=None) -> Plan:
+    """The plan (see the module docstring). `prepare(program, topology)` readies a candidate's
+    program for its compile: by default the layout applied (`laid_out`); `xlaopt plan` gives the
+    pipeline's passes that follow the planner (`xlaopt.pipeline.after_planning`), so a candidate
+    is priced as `xlaopt analyze` prices the planned layout."""
     t0 = time.perf_counter()
     from xlaopt.analysis.attention_work import batch_work
 
@@ -129,7 +134,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
     baseline = None
     if method is not None:
-        compile_one = lambda p: _compile(p, program, topology, batch, on_compile)  # noqa: E731
+        compile_one = lambda p: _compile(p, program, topology, batch, on_compile, prepare or laid_out)  # noqa: E731
         chosen = _compile_best(fits, top, exhaustive, hbm, compile_one)
         baseline = _compiled_baseline(priced, topology, chosen, compile_one)
         if baseline is not None and baseline in fits and baseline not in chosen:
@@ -294,17 +299,19 @@ def _baseline(priced: list[Priced], topology: Topology) -> Priced | None:
     return options[0] if options else None
 
 
-def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBatch, on_compile) -> None:
-    """Compile and price a candidate after the passes that follow the planner in the pipeline
-    (mesh-layout, Ulysses for context parallel, the overlap flags on the GPU target, ...), so its
-    price is what `xlaopt analyze --layout` gives for the planned layout."""
-    from xlaopt.analysis.analyze import analyze
+def laid_out(program: TrainProgram, topology: Topology) -> TrainProgram:
+    """A candidate's program with its layout applied and nothing else (`plan`'s default `prepare`)."""
     from xlaopt.context import PassContext
-    from xlaopt.pipeline import pipeline, run_pipeline
+    from xlaopt.passes.mesh_layout import MeshLayout
 
-    program = candidate_program(base, p.candidate)
-    after = [q for q in pipeline() if q.name != "layout-plan"]
-    program, _ = run_pipeline(program, after, ctx=PassContext.for_program(program, topology))
+    return MeshLayout().run(program, PassContext.for_program(program, topology)).program
+
+
+def _compile(p: Priced, base: TrainProgram, topology: Topology, batch: PricedBatch, on_compile, prepare) -> None:
+    """Compile and price a candidate after `prepare(program, topology)`."""
+    from xlaopt.analysis.analyze import analyze
+
+    program = prepare(candidate_program(base, p.candidate), topology)
     try:
         p.compiled = analyze(program, topology, program.target, batch=batch)
     except Exception as e:  # noqa: BLE001 - a compiler's refusal is a ranking fact, not the planner's failure
