@@ -68,8 +68,14 @@ def sequence_parallel(rules: Sequence[Rule], mesh: MeshSpec) -> bool:
 
 
 def _rule_axes(logical: str, rules: Sequence[Rule]) -> tuple[str, ...]:
-    named = logical if any(r == logical for r, _ in rules) else _FOLLOWS.get(logical, logical)
+    named = _named(logical, {r for r, _ in rules})
     return next((axes for r, axes in rules if r == named), ())
+
+
+def _named(logical: str | None, named: set[str]) -> str | None:
+    """The logical axis whose rules apply to `logical`: itself, or the one it follows (`_FOLLOWS`)
+    where no rule names it."""
+    return logical if logical in named else _FOLLOWS.get(logical, logical)
 
 
 def validate_rules(rules: Sequence[Rule]) -> None:
@@ -96,8 +102,7 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], ru
     named = {logical for logical, _ in rules}
     for dim, (logical, size) in enumerate(zip(logical_axes, shape)):
         chosen: tuple[str, ...] = ()
-        if logical not in named:
-            logical = _FOLLOWS.get(logical, logical)
+        logical = _named(logical, named)
         for rule_logical, mesh_axes in rules:
             if rule_logical != logical or logical is None:
                 continue
