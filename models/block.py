@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
+from xlaopt.models.fp8 import project
 from xlaopt.models.layers import (
     RESIDUAL_BLD,
     Mlp,
@@ -53,10 +54,10 @@ class TransformerBlock(nn.Module):
         """Rotated queries and keys (unrotated without a rotary table: models with learned
         positions), values; plus the side keys (`side_key_norm`) or the keys again."""
         h_BLD = checkpoint_name(gathered(self.attn_norm(x_BLD)), remat.ATTENTION_NORM)
-        q_BLHK = checkpoint_name(jnp.einsum("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype)), remat.QUERY)
-        raw_k_BLNK = checkpoint_name(jnp.einsum("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype)),
+        q_BLHK = checkpoint_name(project("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype)), remat.QUERY)
+        raw_k_BLNK = checkpoint_name(project("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype)),
                                      remat.KEY)
-        v_BLNK = checkpoint_name(jnp.einsum("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype)), remat.VALUE)
+        v_BLNK = checkpoint_name(project("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype)), remat.VALUE)
         k_BLNK = raw_k_BLNK
         if self.qk_norm:
             q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(raw_k_BLNK)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
+from xlaopt.models.fp8 import project
 from xlaopt.models.tracing import installed
 
 RESIDUAL_BLD = ("batch", "residual_seq", "act_embed")
@@ -96,8 +97,9 @@ def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 # How a matmul that contracts over a dimension tensor parallelism splits runs: by default one
-# einsum, whose partial sums XLA then all-reduces; a rewrite may install its own (a ring that
-# overlaps the reduction with the matmul, `xlaopt.transforms.collective_matmul`).
+# projection (`project`: in fp8 where the trace says so), whose partial sums XLA then
+# all-reduces; a rewrite may install its own (a ring that overlaps the reduction with the
+# matmul, `xlaopt.transforms.collective_matmul`).
 _REDUCE_MATMUL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_reduce_matmul",
                                                                                 default=None)
 
@@ -111,7 +113,7 @@ def reduce_matmul(equation: str, x: jax.Array, w: jax.Array, x_split: int, w_spl
     """`einsum(equation, x, w)` for the output projections ("bl...,...->bld"), contracting x's
     dimension `x_split` with w's `w_split`: the dimensions tensor parallelism splits."""
     impl = _REDUCE_MATMUL.get()
-    return jnp.einsum(equation, x, w) if impl is None else impl(equation, x, w, x_split, w_split)
+    return project(equation, x, w) if impl is None else impl(equation, x, w, x_split, w_split)
 
 
 def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str | None],
@@ -221,10 +223,10 @@ class Mlp(nn.Module):
         up_DF = param(self, "up_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
         down_FD = param(self, "down_FD", (F, D), ("mlp", "embed")).astype(self.dtype)
         gated = self.activation == "swiglu"
-        up_BLF = checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, up_DF), remat.MLP_UP if gated else remat.MLP_IN)
+        up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, up_DF), remat.MLP_UP if gated else remat.MLP_IN)
         if gated:
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
-            h_BLF = nn.silu(checkpoint_name(jnp.einsum("bld,df->blf", x_BLD, gate_DF), remat.MLP_GATE)) * up_BLF
+            h_BLF = nn.silu(checkpoint_name(project("bld,df->blf", x_BLD, gate_DF), remat.MLP_GATE)) * up_BLF
         elif self.activation == "relu2":
             h_BLF = jnp.square(nn.relu(up_BLF))
         else:  # gelu (GPT, MPT)

@@ -37,6 +37,9 @@ class CollectiveMatmul(OffUnlessEnabled):
             return "needs a layout (run mesh-layout first)"
         if program.mesh.size(AXIS) == 1:
             return "no tensor parallelism (tensor=1): no matmul is reduced over tensor ranks"
+        if program.execution.matmuls == "fp8":
+            # Each chunk would be scaled by its own maximum, not the tensor's: other numbers.
+            return "fp8 matmuls: the ring's chunks run in the compute dtype, not the tensor's fp8 scaling"
         rules = dict((logical, axes) for logical, axes in reversed(program.rules))  # first rule wins
         for logical in ("act_heads", "act_mlp"):
             if AXIS not in rules.get(logical, ()):

@@ -82,10 +82,10 @@ def verify(program) -> dict:
     """One gradient step of `program` against the same program on one device (run through the
     same pipeline; in float32 when `program` computes in float16); `["ok"]` says whether they
     agree within the compute dtype's tolerance."""
-    from xlaopt.runtime.verify import compare, one_step_grads, reference_program
+    from xlaopt.runtime.verify import compare, one_step_grads, reference_program, tolerance_key
 
     single, _ = optimize(reference_program(program))
-    return compare(one_step_grads(program), one_step_grads(single), program.execution.compute_dtype)
+    return compare(one_step_grads(program), one_step_grads(single), tolerance_key(program.execution))
 
 
 def analyze(program, topology: Any) -> dict:

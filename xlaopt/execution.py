@@ -6,10 +6,11 @@ the layer stack runs and how many micro-batches a step accumulates. Passes rewri
 a checkpoint resumes under any execution config (the parameters and the data are the same),
 while a different model or data is refused.
 
-Precision: the model computes in `compute_dtype`; master weights, gradients and the optimizer
-state are fp32 whatever it is. float16 also scales the loss dynamically (`xlaopt.loss_scale`),
-starting at `loss_scale_init` and doubling after `loss_scale_growth_interval` finite steps in
-a row; bfloat16 and float32 have float32's exponent range, need no scaling and ignore both.
+Precision: the model computes in `compute_dtype` (its linear projections in fp8 with
+`matmuls="fp8"`); master weights, gradients and the optimizer state are fp32 whatever it is.
+float16 also scales the loss dynamically (`xlaopt.loss_scale`), starting at `loss_scale_init`
+and doubling after `loss_scale_growth_interval` finite steps in a row; bfloat16 and float32
+have float32's exponent range, need no scaling and ignore both.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import get_type_hints
 from xlaopt.errors import UserError
 from xlaopt.models.attention import ATTENTION, AttentionSpec
 from xlaopt.models.cudnn_attention import MAX_SEGMENTS
+from xlaopt.models.fp8 import MATMULS
 from xlaopt.models.registry import parse_assignments
 from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.stack import STRATEGIES, StackSpec
@@ -42,6 +44,9 @@ def target_attention(target: str, splits_sequence: bool = False) -> str:
 @dataclasses.dataclass(frozen=True)
 class ExecutionConfig:
     compute_dtype: str = "bfloat16"
+    # "fp8": the linear projections' matmuls in fp8 with per-tensor current scaling
+    # (`xlaopt.models.fp8`), the rest in compute_dtype; fast only on a GPU with fp8 (Hopper on).
+    matmuls: str = "compute"
     remat: str = "none"  # a policy of `xlaopt.models.remat.REMAT_POLICIES`
     attention: str = "dense"  # an implementation of `xlaopt.models.attention.ATTENTION`
     attention_block: int = 512  # keys per block of the blockwise attention
@@ -54,7 +59,7 @@ class ExecutionConfig:
     loss_scale_growth_interval: int = 2000
 
     def __post_init__(self):
-        choices = {"compute_dtype": DTYPES, "remat": REMAT_POLICIES, "attention": ATTENTION,
+        choices = {"compute_dtype": DTYPES, "matmuls": MATMULS, "remat": REMAT_POLICIES, "attention": ATTENTION,
                    "layer_stack": STRATEGIES}
         for field, valid in choices.items():
             if getattr(self, field) not in valid:

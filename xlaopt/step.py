@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, AxisType
 from xlaopt import loss_scale
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
+from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 
@@ -48,6 +49,18 @@ def make_init_model(program: TrainProgram):
     return family_of(program.model).module(program.model, execution)
 
 
+def model_loss(program: TrainProgram):
+    """(model, loss(model, params, batch, key)): the family's loss, traced with the execution's
+    matmul format (`xlaopt.models.fp8`) installed."""
+    loss, matmuls = family_of(program.model).loss, program.execution.matmuls
+
+    def traced(*args):
+        with matmuls_in(matmuls):
+            return loss(*args)
+
+    return make_model(program), traced
+
+
 def batch_spec(program: TrainProgram) -> dict:
     return family_of(program.model).batch_spec(program.model, program.settings.batch)
 
@@ -61,7 +74,7 @@ def base_grad_fn(program: TrainProgram, scale=None):
     With a loss `scale` (a scalar, traced or not) the loss is multiplied by it before it is
     differentiated and the fp32 gradients divided by it: the loss and gradients returned are
     the unscaled ones, and only the compute-dtype cotangents in between are scaled."""
-    model, loss_fn = make_model(program), family_of(program.model).loss
+    model, loss_fn = model_loss(program)
 
     def grad_fn(params, batch, key):
         (loss, metrics), grads = jax.value_and_grad(functools.partial(loss_fn, model), has_aux=True)(

@@ -159,6 +159,9 @@ def _resolve(program: TrainProgram, topology: Topology, target: str | None, batc
     if target != program.target:
         program = program.replace(target=target)  # its compiler options are checked against the new target
     check_fits(program, topology)
+    if program.execution.matmuls == "fp8" and "float8" not in topology.device.peak_flops:
+        raise UserError(f"--exec matmuls=fp8: {topology.device.name} has no fp8 matmuls; they run on Hopper GPUs "
+                        f"(h100, h200 topologies): use matmuls=compute here")
     if batch is None:
         batch = synthetic_batch(program)
     if batch.shape != program.settings.batch:

@@ -81,12 +81,23 @@ def main(args: argparse.Namespace) -> int:
                           rows=RowSource(args.data, args.mix, args.skip_oversize)))
 
 
+def _refuse_fp8(program: ProgramRequest) -> None:
+    """fp8 matmuls are a GPU setting: refused before any work, not emulated for a whole run."""
+    from xlaopt.cli.programs import layout_of
+    from xlaopt.execution import parse_execution
+
+    if parse_execution(program.execution_settings, layout_of(program).execution).matmuls == "fp8":
+        raise UserError("matmuls=fp8: fp8 matmuls run on Hopper GPUs (price them with analyze or plan --target gpu on "
+                        "an h100 or h200 topology; verify checks them on the CPU); train here with matmuls=compute")
+
+
 def run(request: TrainRequest) -> int:
     if request.steps < 1:
         raise UserError(f"--steps {request.steps}: need at least 1 step")
     rate = request.learning_rate
     if rate is not None and not (math.isfinite(rate) and rate >= 0):
         raise UserError(f"--learning-rate {rate:g}: need a finite rate >= 0")
+    _refuse_fp8(request.program)
     if request.processes is not None:
         return _launch(request)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.

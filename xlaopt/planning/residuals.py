@@ -40,8 +40,8 @@ def _stack_bytes(program: TrainProgram, remat: str, rows: int) -> int:
                         execution=dataclasses.replace(program.execution, remat=remat, micro_batches=1),
                         shardings=None)
     params, _ = step.abstract_params_with_axes(p)
-    model, family, key = step.make_model(p), family_of(p.model), jax.random.key(0)
-    loss = lambda w, x: family.loss(model, w, family.with_draws(x, key), key)[0]  # noqa: E731
+    (model, family_loss), family, key = step.model_loss(p), family_of(p.model), jax.random.key(0)
+    loss = lambda w, x: family_loss(model, w, family.with_draws(x, key), key)[0]  # noqa: E731
     # The residuals are the leaves of the vjp closure; those that are the inputs themselves are
     # not saved activations.
     closed = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(loss, w, x)[1]))(params, step.abstract_batch(p))

@@ -23,6 +23,16 @@ reductions) and nothing else:
     llama-tiny 1.1e-6 and 2.2e-3; about the same on one device (2.1e-3 for both), so the
     rounding, not the partitioning, sets them. Too small a scale fails: with loss_scale_init =
     2^-10 gradients underflow and differ by 2.07 (llama-tiny) and 0.57 (cosmos3-tiny).
+  fp8 matmuls (`matmuls="fp8"`, compared to the same fp8 program on one device): rounding to
+    fp8 is a step function, so the few values that partitioning's reordered sums move across a
+    rounding boundary move by a whole fp8 step (1/8 of the value in E4M3, 1/4 in E5M2), and
+    layer after layer those moves compound; each run is still within fp8's rounding of the
+    exact product. The loss, a mean over every token, moves little: 2^-8 relative. A gradient
+    leaf is allowed one E5M2 step, 2^-2 in relative L2 norm: the partitioning bugs above move it
+    by 1/8 or more on an 8-way mesh, and an fp8 scaling bug (a scale missing or applied twice)
+    by a factor. Measured on llama-tiny (4 layers, float32 compute) with tensor=2 and
+    data=2,tensor=2: loss 7e-6, worst gradient 0.136; data=2 alone (no reordered matmul sum)
+    3e-7.
 """
 from __future__ import annotations
 
@@ -40,9 +50,15 @@ TOLERANCES = {  # dtype -> (loss relative, gradient relative L2)
     "float32": (1e-5, 1e-4),
     "bfloat16": (4 * 2.0**-8, 16 * 2.0**-8),
     "float16": (4 * 2.0**-11, 16 * 2.0**-11),
+    "fp8": (2.0**-8, 2.0**-2),  # matmuls="fp8", any compute dtype (see the module docstring)
 }
 # Compute dtypes whose single-device reference runs in another dtype (see the module docstring).
 REFERENCE_DTYPES = {"float16": "float32"}
+
+
+def tolerance_key(execution) -> str:
+    """The TOLERANCES entry an execution config is compared under."""
+    return "fp8" if execution.matmuls == "fp8" else execution.compute_dtype
 
 
 def reference_program(program: TrainProgram) -> TrainProgram:
