@@ -4,9 +4,9 @@ Each operand is scaled by its own absolute maximum, taken now (not a history of 
 delayed scaling keeps), so that its largest element lands on the format's largest finite value,
 and cast: activations and weights to E4M3 (3 mantissa bits) forward, output gradients to E5M2 (2
 mantissa bits, the range gradients need) backward. Every matmul of the projection, the forward
-and both of its backward ones, reads fp8 operands and accumulates in fp32; the result is
-rescaled by the product of its operands' scales and cast back to the compute dtype. This is the
-recipe Transformer Engine calls current scaling.
+and both of its backward ones, reads fp8 operands, accumulates in fp32 and writes the compute
+dtype, rescaled by the product of its operands' scales. This is the recipe Transformer Engine
+calls current scaling.
 
 The matmul is written on the fp8 operands themselves, not on dequantized copies: XLA's GPU
 compiler (jax 0.10.2) turns a dot of fp8 operands into an fp8 GEMM (a Triton GEMM fusion on fp8
@@ -57,7 +57,9 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def _scaled(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    return (jnp.einsum(equation, a, b, preferred_element_type=jnp.float32) * scale).astype(dtype)
+    # The GEMM accumulates in fp32 and writes `dtype` (as cuBLASLt's fp8 GEMMs do), so the dot's
+    # output, which JAX's `dots` recomputation policy saves, is the compute dtype's size.
+    return jnp.einsum(equation, a, b, preferred_element_type=dtype) * scale.astype(dtype)
 
 
 def _transposes(equation: str) -> tuple[str, str, str]:

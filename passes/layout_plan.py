@@ -26,6 +26,7 @@ class LayoutPlan(OffUnlessEnabled):
     mix: str = ""  # price rows packed from this sample mix (Cosmos 3); default: the synthetic stream
     data: str = ""  # or from this sample store
     remats: tuple[str, ...] = ()  # the recomputation policies planned over; (): the planner's (`space.REMATS`)
+    precisions: tuple[str, ...] = ()  # `space.PRECISIONS` names planned over; (): every one the device runs
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         if ctx.topology is None:
@@ -43,7 +44,8 @@ class LayoutPlan(OffUnlessEnabled):
         from xlaopt.planning.planner import plan
         from xlaopt.planning.report import plan_json
 
-        kw = ({"remats": self.remats} if self.remats else {}) | ({"prepare": prepare} if prepare else {})
+        kw = (({"remats": self.remats} if self.remats else {}) | ({"precisions": self.precisions} if self.precisions
+                                                                  else {}) | ({"prepare": prepare} if prepare else {}))
         result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive, **kw)
         report = dict(plan_json(result), data=batch.source)
         best = result.best.candidate

@@ -364,8 +364,9 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
 def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
-    re-priced under other efficiencies without compiling again. Pipeline, fp8 and A100 rows are
-    priced analytically with the reason."""
+    re-priced under other efficiencies without compiling again; an fp8 row compiles with fp8
+    matmuls, saying whose scaling recipe it priced. Pipeline and A100 rows are priced
+    analytically with the reason."""
     small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
              "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
              "micro_batch": "1"}
@@ -376,8 +377,10 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     by_id = {r["id"]: r for r in result["rows"]}
     assert result["target"] == "gpu" and by_id["X1"]["method"] == "compiled" and by_id["X1"]["predicted"] > 0
     assert by_id["X1"]["breakdown"]["step_time_s"] == pytest.approx(by_id["X1"]["predicted"])  # a step_time_s row
-    assert [by_id[k]["method"] for k in ("X2", "X3", "X4")] == ["analytic"] * 3
-    assert "pipeline parallel (pp=2)" in by_id["X2"]["reason"] and "fp8" in by_id["X3"]["reason"]
+    assert [by_id[k]["method"] for k in ("X2", "X4")] == ["analytic"] * 2
+    assert "pipeline parallel (pp=2)" in by_id["X2"]["reason"]
+    assert by_id["X3"]["method"] == "compiled" and by_id["X3"]["approximations"] == [
+        "fp8 with per-tensor current scaling (the row's: fp8)"]
     assert "needs Hopper" in by_id["X4"]["reason"]
     from xlaopt.analysis.calibrate_gpu import compile_rows
 

@@ -75,6 +75,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     `keep_timeline` or `trace`): (JSON-ready dict, SimResult). `xlaopt.analysis.notebook` draws from it."""
     from xlaopt.analysis.attention_work import batch_work
     from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.hlo import fp8_gemms
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import bounds, mfu, simulate, to_perfetto
 
@@ -114,15 +115,11 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
                   "gen_len": program.settings.batch.gen_len},
         "data": batch.source,
         "fill": work.fill,
-        "attention": {"impl": program.execution.attention, "target_default": target_attention(target, bool(program.sequence_axes)),
-                      "block": program.execution.attention_block,
-                      "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
-                      "pair_loop_trips_busiest_device": work.loop_trips,
-                      "pair_loop_trips_mean_device": work.mean_loop_trips,
-                      "fused_call_flops_busiest_device": work.custom_call_flops,
-                      "fused_call_flops_mean_device": work.mean_custom_call_flops},
+        "attention": _attention_json(program, target, work),
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
         "compute_dtype": dtype,
+        "matmuls": program.execution.matmuls,  # "fp8": the projections' (MFU stays against the dtype's peak)
+        "fp8_gemms": fp8_gemms(text),  # GEMMs on fp8 operands in the compiled step (`hlo.fp8_gemms`)
         "step_time_s": sim.step_time_s,
         "mfu": mfu(model_flops, sim.step_time_s, topology, n, dtype),
         "exposed_comm_s": sim.exposed_comm_s,
@@ -149,6 +146,15 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "notes": notes,
     }
     return result, sim
+
+
+def _attention_json(program: TrainProgram, target: str, work) -> dict:
+    return {"impl": program.execution.attention, "target_default": target_attention(target, bool(program.sequence_axes)),
+            "block": program.execution.attention_block,
+            "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
+            "pair_loop_trips_busiest_device": work.loop_trips, "pair_loop_trips_mean_device": work.mean_loop_trips,
+            "fused_call_flops_busiest_device": work.custom_call_flops,
+            "fused_call_flops_mean_device": work.mean_custom_call_flops}
 
 
 def _resolve(program: TrainProgram, topology: Topology, target: str | None, batch: PricedBatch | None):
@@ -243,6 +249,12 @@ def _mean_device_flops(text: str, work) -> float:
     return base + sum(mean * (flops(dict(none, **{tag: 1})) - base) for tag, mean in work.mean_loop_trips.items())
 
 
+def _fp8_note(result: dict) -> str:
+    if result.get("matmuls") != "fp8":
+        return ""
+    return f", fp8 matmuls ({result['fp8_gemms']} fp8 GEMMs in the HLO)" if result["target"] == "gpu" else ", fp8 matmuls"
+
+
 def format_analysis(result: dict) -> str:
     gib = lambda b: f"{b / 2**30:,.2f} GiB"
     ms = lambda s: f"{s * 1e3:,.2f} ms"
@@ -252,7 +264,8 @@ def format_analysis(result: dict) -> str:
     lines = [
         f"{result['model']} on {mesh} ({result['devices']} devices), topology {result['topology']} "
         f"({result['device']}), target {result['target']}; batch {b['batch_size']} x "
-        f"({b['text_len']} text + {b['gen_len']} gen) tokens, {result['compute_dtype']}",
+        f"({b['text_len']} text + {b['gen_len']} gen) tokens, {result['compute_dtype']}"
+        f"{_fp8_note(result)}",
         f"step time {ms(result['step_time_s'])}   MFU {result['mfu'] * 100:.2f}%   "
         f"compute {ms(result['compute_s'])}   comm {ms(result['comm_s'])}   exposed comm {ms(result['exposed_comm_s'])}"
         f"   exposed grad sync {ms(result['exposed_grad_sync_s'])}",

@@ -75,7 +75,8 @@ def compile_blocker(priced) -> str:
         return (f"{layout.num_devices} devices: the CPU target compiles on at most {MAX_SIMULATED_DEVICES} "
                 f"simulated devices")
     if priced.software.fp8_linear:
-        return f"precision {run.precision!r}: xlaopt's decoder compiles its matmuls in bf16, not fp8"
+        return (f"precision {run.precision!r}: the CPU target has no fp8 GEMMs (XLA:CPU computes fp8 dots "
+                f"widened); --target gpu compiles them")
     if layout.micro_batches != int(layout.micro_batches):
         return f"{layout.micro_batches:g} micro-batches per step: not a whole number to repeat the compiled one by"
     return ""

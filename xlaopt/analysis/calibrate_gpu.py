@@ -12,8 +12,9 @@ and tensor degrees with the tensor ranks innermost (the frameworks' order), with
 recomputation as its named policy and its sequence parallelism as the rule table's.
 
 A row the GPU target cannot build says why and is priced analytically (`calibrate`): pipeline
-or context parallel (not built yet), fp8 matmuls (not built yet), a GPU without a target config,
-an A100 (cuDNN's packed attention needs Hopper).
+or context parallel (not built yet), a GPU without a target config, an A100 (cuDNN's packed
+attention needs Hopper). An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
+projection an fp8 GEMM), whatever scaling recipe the row used.
 The schedule is kept, so a row is re-priced under other efficiencies (the leave-one-out refits)
 without compiling again.
 """
@@ -31,15 +32,13 @@ def gpu_blocker(priced) -> str:
     """Why `priced` (a `calibrate.Priced`) cannot be compiled for its GPUs; "" when it can."""
     from xlaopt.analysis import gpu_aot
 
-    run, layout = priced.run, priced.run.layout
+    layout = priced.run.layout
     if not gpu_aot.available():
         return "the GPU target needs xlaopt[gpu-aot] (jax-cuda12-plugin)"
     if layout.pp > 1:
         return f"pipeline parallel (pp={layout.pp}): xlaopt does not build pipelines yet"
     if layout.cp > 1:
         return f"context parallel (cp={layout.cp}): not built on cuDNN attention yet"
-    if priced.software.fp8_linear:
-        return f"precision {run.precision!r}: xlaopt's matmuls are bf16; fp8 is not built yet"
     if layout.micro_batches != int(layout.micro_batches):
         return f"{layout.micro_batches:g} micro-batches per step: not a whole number"
     try:
@@ -64,6 +63,8 @@ def approximations(priced) -> list[str]:
         notes.append("eager elementwise kernels compiled fused by XLA")
     if layout.dp > 1 and sw.sharded_optimizer:
         notes.append(f"optimizer state replicated over dp={layout.dp} (the row shards it)")
+    if sw.fp8_linear and "current" not in priced.run.precision.lower():
+        notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
     if sw.tp_overlap:
         notes.append("the framework overlaps tensor-parallel communication with its matmuls; XLA's schedule "
                      "overlaps what its latency-hiding scheduler finds")
@@ -109,7 +110,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
     mesh = mesh_for(layout)
     rules = with_sequence_parallel(DEFAULT_RULES) if sw.sequence_parallel and layout.tp > 1 else DEFAULT_RULES
     execution = dataclasses.replace(execution_for(sw.recompute, "kernel"), attention="cudnn",
-                                    micro_batches=int(layout.micro_batches))
+                                    micro_batches=int(layout.micro_batches),
+                                    matmuls="fp8" if sw.fp8_linear else "compute")
     try:
         program = TrainProgram(decoder_config(run), mesh, rules=rules, target="gpu", execution=execution,
                                settings=TrainSettings(batch=BatchShape(layout.global_batch, layout.seq_len, 0)))
@@ -124,7 +126,6 @@ def compile_gpu_step(priced) -> GpuStep | str:
     schedule = build_schedule(text)
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
                                                 schedule=time.perf_counter() - t1), approximations(priced))
-
 
 
 def compile_rows(priced: list, log=None) -> dict:

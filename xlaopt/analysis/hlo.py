@@ -455,3 +455,13 @@ def without_source_locations(hlo_text: str) -> str:
         elif not skipping:
             kept.append(_STACK_FRAME.sub("", line))
     return "\n".join(kept)
+
+
+_GEMM_FUSION_PARAMS = re.compile(r"gemm_fusion\S*_computation \(([^)]*)\)")
+
+
+def fp8_gemms(text: str) -> int:
+    """GEMMs in compiled GPU HLO that read fp8 operands: Triton GEMM fusions whose parameters
+    are fp8 and cuBLASLt's fp8 calls (each counted once per computation, not per trip)."""
+    triton = sum("f8e" in params for params in _GEMM_FUSION_PARAMS.findall(text))
+    return triton + text.count('custom_call_target="__cublas$lt$matmul$f8"')

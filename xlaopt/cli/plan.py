@@ -20,6 +20,7 @@ class PlanRequest:
     top: int
     exhaustive: bool
     remat: str | None
+    precision: str | None
     execution_settings: tuple[str, ...]
     from_layout: str | None
     out: str | None
@@ -54,9 +55,12 @@ def register(sub) -> None:
                    help="the recomputation policies to plan over (xlaopt.models.remat names; default: none, "
                         "selective_megatron, minimal_with_context, dots, save_dot_with_context_except_mlp, "
                         "save_dot_except_mlp, save_qkv_proj, full); fewer plans faster")
+    p.add_argument("--precision", default=None, metavar="NAME[,NAME...]",
+                   help="the precisions to plan over: bfloat16, float16, fp8 (bf16 with the projections' matmuls in "
+                        "fp8, on Hopper GPUs); default: every one the topology's device runs")
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="execution settings every candidate shares (attention, attention_block, layer_stack); remat, "
-                        "micro_batches and compute_dtype are what the planner chooses")
+                        "micro_batches, compute_dtype and matmuls are what the planner chooses")
     p.add_argument("--from", dest="from_layout", default=None, metavar="OLD_LAYOUT",
                    help="re-plan: the layout a run was trained with; prints the resharding its state needs")
     p.add_argument("--out", default=None, metavar="LAYOUT.toml", help="write the best layout's file (TOML or JSON)")
@@ -95,10 +99,23 @@ def remats(given: str | None) -> tuple[str, ...]:
     return names
 
 
+def _precisions(given: str | None) -> tuple[str, ...]:
+    """--precision's names, each known; () when not given."""
+    if given is None:
+        return ()
+    from xlaopt.planning.space import check_precisions
+
+    try:
+        return check_precisions(tuple(n.strip() for n in given.split(",") if n.strip()))
+    except UserError as e:
+        raise UserError(f"--{e}") from None
+
+
 def run(request: PlanRequest) -> int:
     if request.serve is not None:
         return _serving(request)
     policies = remats(request.remat)  # a bad name is refused before any work
+    precisions = _precisions(request.precision)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.planning.defaults import prepare_devices
 
@@ -126,7 +143,8 @@ def run(request: PlanRequest) -> int:
                                                data=request.rows.data, batch=given,
                                                execution_settings=request.execution_settings, seed=request.seed,
                                                old=old)
-    planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies)
+    planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies,
+                         precisions=precisions)
     result = planner.plan_with(program, PassContext.for_program(program, topology), batch, prepare=after_planning)
     report = result["report"]
     report["target_note"] = target_note

@@ -21,7 +21,7 @@ from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 from xlaopt.planning.price import AnalyticPrice, price
 from xlaopt.planning.residuals import saved_bytes_per_token_layer
 from xlaopt.planning.shapes import analytic_shape
-from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, enumerate_space
+from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, check_precisions, enumerate_space
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import with_sequence_parallel
 
@@ -81,7 +81,7 @@ class Plan:
 
 def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
     execution = dataclasses.replace(base.execution, remat=c.remat, micro_batches=c.micro_batches,
-                                    compute_dtype=c.compute_dtype)
+                                    compute_dtype=c.compute_dtype, matmuls=c.matmuls)
     rules = with_sequence_parallel(base.rules) if c.sequence_parallel else base.rules
     return base.replace(mesh=c.mesh, rules=rules, execution=execution, shardings=None)
 
@@ -100,7 +100,7 @@ def compile_method(target: str, num_devices: int) -> str | None:
 
 
 def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int = 2, exhaustive: bool = False,
-         precisions: tuple[str, ...] = PRECISIONS, on_compile=None,
+         precisions: tuple[str, ...] | None = None, on_compile=None,
          sequence_parallel: tuple[bool, ...] = (False, True), remats: tuple[str, ...] = REMATS,
          prepare=None) -> Plan:
     """The plan (see the module docstring). `prepare(program, topology)` readies a candidate's
@@ -110,6 +110,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     t0 = time.perf_counter()
     from xlaopt.analysis.attention_work import batch_work
 
+    precisions = _precisions_for(topology, precisions)
     work = batch_work(program.replace(mesh=MeshSpec()), batch.arrays)  # the batch's work, not a layout's
     shape = _shape(program, work, batch)
     space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
@@ -120,15 +121,15 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     dense = program.execution.attention == "dense"
     hbm = topology.device.hbm_bytes
     eff = efficiency_for(topology)
-    traced, memory_model = _traced_residuals(program, {c.compute_dtype for c in space})
+    traced, memory_model = _traced_residuals(program, {(c.compute_dtype, c.matmuls) for c in space})
     priced = [Priced(c, price(c, shape, program.settings.batch, topology, program.target, dense, eff,
-                              traced[c.compute_dtype])) for c in space]
+                              traced[c.compute_dtype, c.matmuls])) for c in space]
     fits = [p for p in priced if hbm <= 0 or p.analytic.memory_bytes <= hbm]
     unfit = [p for p in priced if not (hbm <= 0 or p.analytic.memory_bytes <= hbm)]
     for p in unfit:
         p.reason = f"needs {p.analytic.memory_bytes / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} (analytic)"
     if not fits:
-        raise UserError(_no_fit_message(program, topology, unfit, shape, dense, traced.get("bfloat16")))
+        raise UserError(_no_fit_message(program, topology, unfit, shape, dense, traced.get(("bfloat16", "compute"))))
     fits.sort(key=_rank_key)
 
     method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
@@ -165,13 +166,26 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
                 time.perf_counter() - t0, memory_model)
 
 
-def _traced_residuals(program: TrainProgram, dtypes) -> tuple[dict, str]:
-    """What each layer saves per token by compute dtype, traced from the program; where it cannot
-    be traced here (cuDNN attention without JAX's CUDA plugin) the shape's formula, and why."""
+def _precisions_for(topology: Topology, precisions: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The precisions asked for (checked), by default every one the device runs: fp8 only with an
+    fp8 peak (Hopper on)."""
+    has_fp8 = "float8" in topology.device.peak_flops
+    if precisions is None:
+        return tuple(p for p in PRECISIONS if p != "fp8" or has_fp8)
+    if "fp8" in check_precisions(precisions) and not has_fp8:
+        raise UserError(f"precision fp8: {topology.device.name} has no fp8 matmuls; they run on Hopper GPUs "
+                        f"(h100, h200 topologies)")
+    return precisions
+
+
+def _traced_residuals(program: TrainProgram, precisions) -> tuple[dict, str]:
+    """What each layer saves per token by (compute dtype, matmul format), traced from the program;
+    where it cannot be traced here (cuDNN attention without JAX's CUDA plugin) the shape's
+    formula, and why."""
     try:
-        return {dt: saved_bytes_per_token_layer(program, dt) for dt in dtypes}, "traced"
+        return {(dt, mm): saved_bytes_per_token_layer(program, dt, mm) for dt, mm in precisions}, "traced"
     except UserError as e:
-        return dict.fromkeys(dtypes), f"formula: the program cannot be traced here ({e})"
+        return dict.fromkeys(precisions), f"formula: the program cannot be traced here ({e})"
 
 
 def _compile_best(fits: list[Priced], top: int, exhaustive: bool, hbm: float, compile_one) -> list[Priced]:
@@ -267,7 +281,7 @@ def _rank_key(p: Priced):
     """Compiled prices among the compiled few; analytic ones for the rest."""
     c = p.candidate
     # Ties (fp16 prices as bf16) go to bf16, then to fewer micro-batches and less recomputation.
-    return (p.step_time_s, c.compute_dtype != "bfloat16", c.micro_batches, REMATS.index(c.remat))
+    return (p.step_time_s, c.precision != "bfloat16", c.micro_batches, REMATS.index(c.remat))
 
 
 def _shape(program: TrainProgram, work, batch: PricedBatch):
@@ -286,7 +300,7 @@ def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:
     cannot split)."""
     n, hbm = topology.num_devices, topology.device.hbm_bytes
     options = [p for p in priced if (p.candidate.dp, p.candidate.tp, p.candidate.cp) == (1, 1, 1)
-               and p.candidate.fsdp == n and p.candidate.compute_dtype == "bfloat16"
+               and p.candidate.fsdp == n and p.candidate.precision == "bfloat16"
                and p.candidate.remat in BASELINE_REMATS]
     options.sort(key=lambda p: (hbm > 0 and p.analytic.memory_bytes > hbm, REMATS.index(p.candidate.remat),
                                 p.candidate.micro_batches))

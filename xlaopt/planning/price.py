@@ -7,13 +7,14 @@ gathers the normed input back (the norms and residual adds then run on 1/tp of t
 on the GPU target FSDP's gathers
 and reductions overlap the layers (XLA's async collectives; the CPU target overlaps nothing);
 parameters are gathered and gradients reduced in fp32 (the master weights are cast to the compute
-dtype after the gather); pure data parallel replicates the optimizer state.
+dtype after the gather), with fp8 matmuls the weights gathered in fp8 (cast on their shards);
+pure data parallel replicates the optimizer state.
 
 Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
   state      fp32 parameters and AdamW's two moments: 12 B x params / (fsdp x tp);
   gradients  fp32, the same shards: 4 B x params / (fsdp x tp);
   weights    the compute-dtype copy of two layers in flight (FSDP prefetch): 2 x 2 B x layer params / tp,
-             whole when not FSDP-sharded (the cast copy of the whole model);
+             whole when not FSDP-sharded (the cast copy of the whole model); 1 B with fp8 matmuls;
   saved      what each layer keeps for backward, per token: `remat=full` its input (d), `dots` the
              matmul outputs, `none` every activation, a named policy its input and the activations
              it names, times the layers and the micro-batch's tokens; with sequence parallelism the
@@ -47,10 +48,14 @@ class AnalyticPrice:
 
 
 def software(candidate: Candidate, target: str) -> analytic.Software:
+    fp8 = candidate.matmuls == "fp8"
+    # fp8 weights are quantized on their shards (the scale is a max over all of them) and
+    # gathered in fp8: XLA moves the cast before the all-gather (f8e4m3fn all-gathers in the
+    # GPU-target HLO).
     return analytic.Software(fused_elementwise=True, recompute=candidate.remat,
                              sequence_parallel=candidate.sequence_parallel,
                              tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
-                             param_gather_bytes=4, grad_reduce_bytes=4)
+                             param_gather_bytes=1 if fp8 else 4, grad_reduce_bytes=4, fp8_linear=fp8)
 
 
 def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Parallelism:
@@ -127,7 +132,8 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     logits_fraction = getattr(shape, "text_fraction", 1.0)
     heads = shape.heads / c.tp
     attention_logits = 4.0 * rows * heads * (row_len / c.cp) * row_len if dense_attention else 0.0
-    weights = 2 * compute * shape.layer_params / c.tp if c.fsdp > 1 else compute * params / c.tp
+    weight = 1 if c.matmuls == "fp8" else compute  # the projections read an fp8 copy
+    weights = 2 * weight * shape.layer_params / c.tp if c.fsdp > 1 else weight * params / c.tp
     return {
         "state": 12.0 * params / shards,
         "gradients": 4.0 * params / shards,

@@ -51,14 +51,16 @@ def _stack_bytes(program: TrainProgram, remat: str, rows: int) -> int:
     return sum(a.size * a.dtype.itemsize for a in saved.values() if a.ndim >= 3 and a.shape[0] == layers)
 
 
-def saved_bytes_per_token_layer(program: TrainProgram, compute_dtype: str,
+def saved_bytes_per_token_layer(program: TrainProgram, compute_dtype: str, matmuls: str = "compute",
                                 policies: tuple[str, ...] = POLICIES) -> dict[str, float]:
-    """{remat policy: bytes one layer saves per token of a row, unsharded}, in `compute_dtype`,
-    for each of `policies` (the planner's by default); cached per (model, row shape, execution)."""
+    """{remat policy: bytes one layer saves per token of a row, unsharded}, in `compute_dtype`
+    with the projections' matmuls in `matmuls` (fp8 saves their inputs in fp8), for each of
+    `policies` (the planner's by default); cached per (model, row shape, execution)."""
     if not hasattr(program.model, "num_layers"):
         raise UserError(f"{program.model.name} has no layer stack whose residuals could be traced")
     base = program.replace(mesh=MeshSpec(), shardings=None,
-                           execution=dataclasses.replace(program.execution, compute_dtype=compute_dtype))
+                           execution=dataclasses.replace(program.execution, compute_dtype=compute_dtype,
+                                                         matmuls=matmuls))
     b, rows = base.settings.batch, base.model.num_layers + 1
     per_row = lambda remat: _stack_bytes(base, remat, rows + 1) - _stack_bytes(base, remat, rows)  # noqa: E731
     return {r: per_row(r) / ((b.text_len + b.gen_len) * base.model.num_layers) for r in policies}

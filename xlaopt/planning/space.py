@@ -3,7 +3,8 @@
 A candidate is a mesh (data replicas x FSDP shards x tensor x context over every device), the
 device order that keeps the tensor and context groups innermost and the FSDP shard group inside
 the data replicas (HSDP's shard group on the fast links: `DEVICE_ORDER_TENSOR_INNER`), a
-recomputation policy, a micro-batch count, a compute precision, and with tensor parallelism whether
+recomputation policy, a micro-batch count, a precision (the compute dtype, and whether the
+projections' matmuls run in fp8), and with tensor parallelism whether
 the rule table splits the residual stream over the tensor ranks too (sequence parallelism, which
 also splits each row's tokens over them). Pure data parallel (fsdp=1),
 pure FSDP (dp=1) and every HSDP split between them are enumerated. Tensor and context groups are
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
 from xlaopt.execution import DTYPES
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 
@@ -24,7 +26,19 @@ from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 # layer's input only.
 REMATS = ("none", "selective_megatron", "minimal_with_context", "dots", "save_dot_with_context_except_mlp",
           "save_dot_except_mlp", "save_qkv_proj", "full")
-PRECISIONS = tuple(d for d in ("bfloat16", "float16") if d in DTYPES)  # fp32 compute is never the fast choice
+# Precisions by name: a compute dtype (fp32 compute is never the fast choice), or "fp8": bf16
+# compute with the projections' matmuls in fp8 (`xlaopt.models.fp8`), only on devices with an fp8 peak.
+PRECISIONS = ("bfloat16", "float16", "fp8")
+_PRECISION = {"bfloat16": ("bfloat16", "compute"), "float16": ("float16", "compute"), "fp8": ("bfloat16", "fp8")}
+assert all(dtype in DTYPES for dtype, _ in _PRECISION.values())
+
+
+def check_precisions(names) -> tuple[str, ...]:
+    """The precision names, each known; else a UserError listing them."""
+    bad = [n for n in names if n not in PRECISIONS]
+    if bad or not names:
+        raise UserError(f"precision {', '.join(bad) or '(none)'!s}: precisions are {', '.join(PRECISIONS)}")
+    return tuple(names)
 MAX_MICRO_BATCHES = 8
 
 
@@ -38,6 +52,12 @@ class Candidate:
     micro_batches: int = 1
     compute_dtype: str = "bfloat16"
     sequence_parallel: bool = False
+    matmuls: str = "compute"  # "fp8": the projections' matmuls (`xlaopt.models.fp8`)
+
+    @property
+    def precision(self) -> str:
+        """The name in PRECISIONS."""
+        return "fp8" if self.matmuls == "fp8" else self.compute_dtype
 
     @property
     def data(self) -> int:
@@ -58,7 +78,7 @@ class Candidate:
                 + (f"+CP{self.cp}" if self.cp > 1 else ""))
 
     def __str__(self) -> str:
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.compute_dtype]
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "fp8": "fp8"}[self.precision]
         return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{' sp' if self.sequence_parallel else ''} cp={self.cp} "
                 f"remat={self.remat} mb={self.micro_batches} {dtype}")
 
@@ -99,10 +119,11 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                     split = reason or (_sequence_parallel_reason(base, row_lengths) if sp else "")
                     for remat in remats:
                         for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
-                            for dtype in precisions:
+                            for precision in precisions:
+                                dtype, matmuls = _PRECISION[precision]
                                 c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
-                                                        sequence_parallel=sp)
-                                why = split or _remat_reason(stacked, remat)
+                                                        matmuls=matmuls, sequence_parallel=sp)
+                                why = split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
                                 (rejected.append(Rejected(c, why)) if why else ok.append(c))
     return ok, rejected
 
@@ -139,6 +160,10 @@ def _sequence_parallel_reason(c: Candidate, row_lengths: list) -> str:
 
 def _remat_reason(stacked: bool, remat: str) -> str:
     return "a CNN has no layer stack to recompute" if not stacked and remat != "none" else ""
+
+
+def _fp8_reason(stacked: bool, matmuls: str) -> str:
+    return "a CNN's convolutions have no fp8 path" if not stacked and matmuls == "fp8" else ""
 
 
 def _conv_reason(c: Candidate, config) -> str:
