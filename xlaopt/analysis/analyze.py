@@ -105,7 +105,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
     n = program.mesh.num_devices
     averaged = work.loop_trips or work.mean_custom_call_flops != work.custom_call_flops
     hlo_flops = n * (_mean_device_flops(text, work) if averaged else schedule.flops)
-    mem = _memory(executable)
+    mem = memory_of(executable)
     collectives = _with_windows(sim.collectives, schedule)
     notes = _notes(target, dtype, compiled.compiler_notes, work)
     result = {
@@ -175,7 +175,7 @@ def _resolve(program: TrainProgram, topology: Topology, target: str | None, batc
     return program, target, batch
 
 
-def _memory(executable) -> dict:
+def memory_of(executable) -> dict:
     """XLA's memory analysis per device, and the peak it implies."""
     memory = executable.memory_analysis()
     mem = {"arguments": int(memory.argument_size_in_bytes), "outputs": int(memory.output_size_in_bytes),

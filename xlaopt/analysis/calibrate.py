@@ -476,6 +476,7 @@ def format_table(result: dict) -> str:
                                                            if "act_ckpt_default" in r else {})}
         if defaulted:
             method += "; not stated, defaulted: " + ", ".join(f"{k}={v}" for k, v in defaulted.items())
+        method += "".join(f"; {note}" for note in r.get("approximations", ()))
         lines.append(f"{r['id']:<5} {r['metric']:<21} {r['measured']:>10.4g} {r['predicted']:>10.4g}{analytic} "
                      f"{r['rel_error']:>+7.1%} {(f'{loo:+.1%}' if loo is not None else '-'):>7}  {method}")
     if result["median_abs_rel_error"] is not None:

@@ -15,7 +15,8 @@ A row the GPU target cannot build says why and is priced analytically (`calibrat
 or context parallel (not built yet), a GPU without a target config, an A100 (cuDNN's packed
 attention needs Hopper). An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
-The schedule is kept, so a row is re-priced under other efficiencies (the leave-one-out refits)
+A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
+and says so among the row's approximations. The schedule is kept, so a row is re-priced under other efficiencies (the leave-one-out refits)
 without compiling again.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def approximations(priced) -> list[str]:
         notes.append(f"optimizer state replicated over dp={layout.dp} (the row shards it)")
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
-    if sw.tp_overlap:
+    if sw.tp_overlap and layout.tp > 1:
         notes.append("the framework overlaps tensor-parallel communication with its matmuls; XLA's schedule "
                      "overlaps what its latency-hiding scheduler finds")
     return notes
@@ -94,7 +95,7 @@ class GpuStep:
 
 def compile_gpu_step(priced) -> GpuStep | str:
     """Compile `priced`'s row for its GPUs (see the module docstring); a string says why not."""
-    from xlaopt.analysis.analyze import check_fits, compiled_for
+    from xlaopt.analysis.analyze import check_fits, compiled_for, memory_of
     from xlaopt.analysis.calibrate_compiled import decoder_config, execution_for
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.context import PassContext
@@ -124,8 +125,13 @@ def compile_gpu_step(priced) -> GpuStep | str:
         return f"cannot build the decoder on mesh {mesh}: {e}"
     t1 = time.perf_counter()
     schedule = build_schedule(text)
+    notes = approximations(priced)
+    peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
+    if 0 < hbm < peak:  # priced all the same: the simulator does not see memory
+        notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f}: "
+                     f"it keeps more for backward than the row's framework did")
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
-                                                schedule=time.perf_counter() - t1), approximations(priced))
+                                                schedule=time.perf_counter() - t1), notes)
 
 
 def compile_rows(priced: list, log=None) -> dict:
