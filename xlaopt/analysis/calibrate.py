@@ -116,6 +116,12 @@ class Run:
 # a copy of the shared calibration set (../shared/calibration/published_runs.csv; its README gives
 # the columns' meaning and each row's caveats), which the project may extend with rows of its own.
 PUBLISHED_RUNS = pathlib.Path(__file__).with_name("published_runs.csv")
+# Published runs the efficiencies were never fitted on, from other sources (Megatron-LM's README,
+# NeMo's and Megatron-Bridge's performance summaries; each row's `source` says where): what tests
+# the frozen model, as ../shared/calibration/README.md asks. Priced with the frozen efficiencies,
+# so every error is out of sample and there is no leave-one-out.
+HELDOUT_RUNS = pathlib.Path(__file__).with_name("heldout_runs.csv")
+RUN_SETS = {"published": PUBLISHED_RUNS, "heldout": HELDOUT_RUNS}
 
 
 def read_runs(path: str | pathlib.Path = PUBLISHED_RUNS) -> list[Run]:
@@ -191,13 +197,15 @@ def _shape(row: dict, model: str, num) -> tuple[DecoderShape | None, str]:
         vocab = next((v for name, v in _KNOWN_VOCAB.items() if model.startswith(name)), None)
         if vocab is None:
             return None, "vocab not stated and not known for this model"
-    # GPT and MPT rows: plain GELU MLP, head tied to the embedding; Llama and every other family:
-    # SwiGLU, untied (the common modern decoder).
-    gelu = any(family in model.lower() for family in ("gpt", "mpt"))
+    # GPT and MPT rows: plain GELU MLP, head tied to the embedding; Nemotron-4: a plain MLP too
+    # (squared ReLU: the same two matrices), untied; Llama and every other family: SwiGLU, untied
+    # (the common modern decoder).
+    tied = any(family in model.lower() for family in ("gpt", "mpt"))
+    gelu = tied or "nemotron" in model.lower()
     heads = num("heads")
     kv_heads = num("kv_heads") if row["kv_heads"].strip() else heads  # not stated: multi-head attention
     dims = dict(layers=num("layers"), d_model=num("d_model"), heads=heads, kv_heads=kv_heads, ffn=num("ffn"),
-                vocab=vocab, mlp="gelu" if gelu else "swiglu", tied_embeddings=gelu)
+                vocab=vocab, mlp="gelu" if gelu else "swiglu", tied_embeddings=tied)
     try:
         return DecoderShape(**dims), ""
     except ValueError as e:
@@ -211,6 +219,8 @@ def topology_for(run: Run) -> Topology | None:
     gpu = run.gpu.lower()
     if "gb200" in gpu:
         name = "gb200"
+    elif "b200" in gpu:
+        name = "b200"
     elif "h100" in gpu and ("96gb" in gpu or "500w" in gpu):
         name = "h100gt"  # H100 96 GB HBM2e at 500 W (TorchTitan's Grand Teton); see topology.py
     elif "h100" in gpu:
@@ -430,14 +440,17 @@ def compile_rows(priced: list[Priced], attention: str = "kernel", log=None) -> d
 
 def main_calibrate(runs_path: str | pathlib.Path = PUBLISHED_RUNS, json_out: str | pathlib.Path | None = None,
                    method: str = "analytic", refit_only: bool = False, target: str = "cpu") -> dict:
-    """`xlaopt calibrate [--runs CSV] [--method analytic|compiled] [--json OUT]`: the report with
-    the frozen efficiencies (on the packaged published runs by default); with `refit_only`
-    (`--fit`), `refit` instead."""
+    """`xlaopt calibrate [--runs CSV|published|heldout] [--method analytic|compiled] [--json OUT]`:
+    the report with the frozen efficiencies (on the packaged published runs by default; the
+    held-out set without leave-one-out, none of it being fitted on); with `refit_only` (`--fit`),
+    `refit` instead."""
     import sys
 
     log = lambda message: print(message, file=sys.stderr, flush=True)
+    runs_path = RUN_SETS.get(str(runs_path), runs_path)
+    held_out = pathlib.Path(runs_path) == HELDOUT_RUNS
     result = (refit(read_runs(runs_path)) if refit_only
-              else calibrate(read_runs(runs_path), method=method, log=log, target=target))
+              else calibrate(read_runs(runs_path), method=method, log=log, target=target, leave_one_out=not held_out))
     result["runs"] = str(runs_path)
     if json_out is not None:
         pathlib.Path(json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -100,6 +100,10 @@ _DEVICES = {
     # GB200 NVL72: 180 PFLOP/s bf16 dense and 13.4 TB HBM3e over 72 GPUs; 8 TB/s per GPU.
     "gb200": Device("B200 (GB200 NVL72)", {"bfloat16": 2500 * _TFLOPs, "float16": 2500 * _TFLOPs,
                                            "float8": 5000 * _TFLOPs, "float32": 80 * _TFLOPs}, 186e9, 8e12),
+    # HGX / DGX B200 at 1,000 W (NVIDIA's HGX B200 figures, dense): 2,250 TFLOP/s bf16, 4,500 fp8;
+    # 180 GB (DGX B200: 1,440 GB over 8 GPUs), 8 TB/s.
+    "b200": Device("B200 (HGX/DGX)", {"bfloat16": 2250 * _TFLOPs, "float16": 2250 * _TFLOPs,
+                                      "float8": 4500 * _TFLOPs, "float32": 80 * _TFLOPs}, 180e9, 8e12),
 }
 _LEVELS = {
     "h100": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
@@ -109,8 +113,9 @@ _LEVELS = {
     # (same torchtitan benchmark page).
     "h100gt": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("rdma-400g", 50 * _GBps, 10e-6)),
     "gb200": (LinkLevel("nvlink5", 900 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
+    "b200": (LinkLevel("nvlink5", 900 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
 }
-_DEFAULT_SHAPE = {"h100": (1, 8), "h100gt": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 72)}
+_DEFAULT_SHAPE = {"h100": (1, 8), "h100gt": (1, 8), "h200": (1, 8), "a100": (1, 8), "gb200": (1, 72), "b200": (1, 8)}
 PRESETS = tuple(_DEVICES) + ("cpu",)
 
 

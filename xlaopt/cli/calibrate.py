@@ -20,9 +20,11 @@ class CalibrateRequest:
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="price published training runs with the cost model; per-row and "
                                          "leave-one-out errors")
-    p.add_argument("--runs", default=None, metavar="CSV",
-                   help="published runs (default: the 11 shipped with xlaopt, xlaopt/analysis/published_runs.csv; "
-                        "schema: its columns, documented in docs/analysis.md)")
+    p.add_argument("--runs", default=None, metavar="CSV|published|heldout",
+                   help="published runs: a CSV, or a set shipped with xlaopt: published (default; the 11 the "
+                        "efficiencies are fitted on, xlaopt/analysis/published_runs.csv) or heldout (11 from other "
+                        "sources, never fitted on: priced with the frozen efficiencies, no leave-one-out); schema: "
+                        "the columns, documented in docs/analysis.md")
     p.add_argument("--method", default="analytic", choices=("analytic", "compiled"),
                    help="analytic: every row from the analytic model (seconds); compiled: compile the rows xlaopt "
                         "can build (data/FSDP/tensor parallel, <= 512 devices, bf16) at full size on simulated CPU "
