@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from xlaopt.analysis import analytic, calibrate as cal, costmodel as cm, gpu_aot
+from xlaopt.analysis.calibrate_report import format_refit, format_table
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.errors import UserError
 
@@ -51,7 +52,7 @@ def test_the_fit_command_reproduces_the_frozen_values(tmp_path):
     assert result["rounded"] == dataclasses.asdict(cm.FITTED)  # FITTED is this literal, pasted
     assert result["objective_fitted"] <= result["objective_frozen"]  # rounding can only lose
     assert eval(result["literal"].removeprefix("FITTED = "), {"Efficiency": cm.Efficiency}) == cm.FITTED
-    assert "(frozen:" not in cal.format_refit(result)
+    assert "(frozen:" not in format_refit(result)
 
 
 def test_no_published_row_is_unpriced_and_empty_act_ckpt_is_reported_as_defaulted(result):
@@ -127,7 +128,7 @@ def test_rows_that_cannot_be_modelled_are_reported_not_dropped(tmp_path):
     assert "act_ckpt 'offload to NVMe' not modelled" in reasons["X5"]
     assert "at most 72 GPUs" in reasons["X6"]
     assert (result["modelled"], result["unmodelled"]) == (1, 5)
-    assert "unmodelled: no topology preset" in cal.format_table(result)
+    assert "unmodelled: no topology preset" in format_table(result)
 
 
 def test_a_stated_schedule_is_read_from_its_row_never_from_another_run_with_the_same_key(tmp_path):
@@ -142,7 +143,7 @@ def test_a_stated_schedule_is_read_from_its_row_never_from_another_run_with_the_
     assert by_id["X1"]["predicted"] != by_id["X2"]["predicted"]  # 1 micro-batch per step against 4
     assert by_id["X3"]["predicted"] == by_id["X2"]["predicted"]  # the default is 1
     assert by_id["X3"]["schedule_defaults"] == {"micro_batch": 1} and by_id["X1"]["schedule_defaults"] == {}
-    assert "X3" in cal.format_table(result) and "defaulted: micro_batch=1" in cal.format_table(result)
+    assert "X3" in format_table(result) and "defaulted: micro_batch=1" in format_table(result)
 
 
 def test_rows_without_the_schedule_columns_are_priced_at_the_defaults(tmp_path):
@@ -259,7 +260,7 @@ def test_main_calibrate_writes_json_and_a_table(tmp_path):
     assert on_disk["rows"] == result["rows"] and [r["id"] for r in on_disk["rows"]] == ["X1", "X2", "X3"]
     assert on_disk["median_abs_rel_error"] == pytest.approx(result["median_abs_rel_error"])
     assert on_disk["loo_max_abs_rel_error"] == pytest.approx(result["loo_max_abs_rel_error"])
-    table = cal.format_table(result)
+    table = format_table(result)
     assert "X2" in table and "leave-one-out" in table and "unmodelled: no topology preset" in table
     assert f"matmul_max={cm.FITTED.matmul_max:.3g}" in table
 
@@ -339,7 +340,7 @@ def test_rows_the_compiled_method_cannot_take_fall_back_to_analytic(compiled):
     assert all(r["method"] == "analytic" and "reason" not in r for r in analytic.values())
     assert result["compiled"] == 1 and result["compiled_median_abs_rel_error"] == pytest.approx(
         abs(by_id["R01"]["rel_error"]))
-    table = cal.format_table(result)
+    table = format_table(result)
     assert "compiled on fsdp=8" in table and "analytic (not compiled: pipeline parallel (pp=4)" in table
     assert "compiled rows: median |error|" in table
 

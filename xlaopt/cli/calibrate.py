@@ -45,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
 
 def run(request: CalibrateRequest) -> int:
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
-    from xlaopt.analysis.calibrate import PUBLISHED_RUNS, format_refit, format_table, main_calibrate
+    from xlaopt.analysis.calibrate import PUBLISHED_RUNS, main_calibrate
+    from xlaopt.analysis.calibrate_report import format_refit, format_table
 
     if request.target == "gpu" and request.method != "compiled":
         raise UserError("--target gpu is what --method compiled compiles for; add --method compiled")
