@@ -194,6 +194,10 @@ def test_a_run_on_8_devices_resumes_on_a_replanned_4_device_layout(tmp_path, cap
     ([*LLAMA, "--topology", "cpu:1x8", "--global-batch", "7", "--seq", "33"],
      "the nearest global batch that works is 6 rows"),
     (["--topology", "cpu:1x8"], "--model is required"),
+    ([*LLAMA, "--topology", "a100:1x8", "--precision", "fp8", "--top", "0"],
+     "precision fp8: A100 SXM 80GB has no fp8 matmuls; they run on Hopper GPUs (h100, h200 topologies)"),
+    ([*LLAMA, "--topology", "h100:1x8", "--precision", "bf16", "--top", "0"],
+     "--precision bf16: precisions are bfloat16, float16, fp8"),
 ])
 def test_plan_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(["plan", *argv]) == 2
