@@ -113,22 +113,30 @@ def test_rows_that_cannot_be_modelled_are_reported_not_dropped(tmp_path):
     rows = [ROW,
             {**ROW, "id": "X2", "gpu": "V100-SXM2-32GB"},
             {**ROW, "id": "X3", "model": "Mystery-7B", "vocab": ""},
-            {**ROW, "id": "X4", "fsdp": "4"},
             {**ROW, "id": "X5", "act_ckpt": "offload to NVMe"},
             {**ROW, "id": "X6", "gpu": "GB200", "gpus_per_node": "144", "num_gpus": "8"}]
     result = cal.calibrate(cal.read_runs(_write(tmp_path / "runs.csv", rows)), leave_one_out=False)
     by_id = {r["id"]: r for r in result["rows"]}
-    assert list(by_id) == ["X1", "X2", "X3", "X4", "X5", "X6"]
+    assert list(by_id) == ["X1", "X2", "X3", "X5", "X6"]
     assert by_id["X1"]["method"] == "analytic" and by_id["X1"]["predicted"] > 0
-    reasons = {k: by_id[k]["reason"] for k in ("X2", "X3", "X4", "X5", "X6")}
+    reasons = {k: by_id[k]["reason"] for k in ("X2", "X3", "X5", "X6")}
     assert all(by_id[k]["method"] == "unmodelled" and by_id[k]["predicted"] is None for k in reasons)
     assert "no topology preset for gpu 'V100-SXM2-32GB'" in reasons["X2"]
     assert "vocab not stated" in reasons["X3"]
-    assert "is not num_gpus = 8" in reasons["X4"]
     assert "act_ckpt 'offload to NVMe' not modelled" in reasons["X5"]
     assert "at most 72 GPUs" in reasons["X6"]
-    assert (result["modelled"], result["unmodelled"]) == (1, 5)
+    assert (result["modelled"], result["unmodelled"]) == (1, 4)
     assert "unmodelled: no topology preset" in format_table(result)
+
+
+def test_a_row_whose_parallel_degrees_contradict_its_gpu_count_is_refused(tmp_path, capsys):
+    """Not priced as some other run: the command stops with the row, its line and the columns."""
+    from xlaopt.cli import main
+
+    path = _write(tmp_path / "runs.csv", [ROW, {**ROW, "id": "X4", "fsdp": "4"}])
+    assert main(["calibrate", "--runs", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "row X4 (line 3): columns dp x fsdp x tp x pp x cp = 4 is not num_gpus = 8" in err
 
 
 def test_a_stated_schedule_is_read_from_its_row_never_from_another_run_with_the_same_key(tmp_path):

@@ -173,10 +173,11 @@ def _parse_row(row: dict, line: int, path: pathlib.Path) -> Run:
                 defaulted.append(col)
     layout = Parallelism(dp=num("dp"), fsdp=num("fsdp"), tp=max(num("tp"), 1), pp=max(num("pp"), 1),
                     cp=max(num("cp"), 1), global_batch=num("global_batch"), seq_len=num("seq_len"), **schedule)
+    if layout.num_devices != num("num_gpus"):  # a typo in a degree: refused, not priced as another run
+        raise UserError(f"{where}: columns dp x fsdp x tp x pp x cp = {layout.num_devices} is not num_gpus = "
+                        f"{num('num_gpus')}; fix the parallel degrees or num_gpus")
     model = row["model"].strip()
     shape, why = _shape(row, model, num)
-    if not why and layout.num_devices != num("num_gpus"):
-        why = (f"dp x fsdp x tp x pp x cp = {layout.num_devices} is not num_gpus = {num('num_gpus')}")
     if not why and layout.micro_batches < 1:
         why = (f"global_batch {layout.global_batch} is smaller than one micro-batch of {layout.micro_batch} "
                f"per data rank ({layout.data} data ranks)")
