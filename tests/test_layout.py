@@ -65,8 +65,8 @@ def test_mesh_and_layout_together_are_refused(tmp_path, capsys):
 def test_analyze_prices_the_layout_file(tmp_path, capsys):
     """The same mesh priced with the default rules and with a layout that keeps parameters
     whole: the file's rules, not the defaults, decide memory and communication."""
-    common = ["analyze", "--model", "cosmos3-tiny", "--set", "num_layers=2", "--topology", "h100:1x8",
-              "--batch-size", "2", "--text-len", "32", "--gen-len", "64"]
+    common = ["analyze", "--model", "llama-tiny", "--set", "num_layers=2", "--topology", "h100:1x8",
+              "--batch-size", "2", "--text-len", "32"]
     (tmp_path / "fsdp.json").write_text(json.dumps({"mesh": {"fsdp": 2}}))
     (tmp_path / "replicated.json").write_text(json.dumps({"mesh": {"fsdp": 2}, "rules": NO_PARAM_SHARDING}))
     results = {}

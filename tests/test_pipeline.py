@@ -22,7 +22,7 @@ from xlaopt.program import TrainProgram
 from xlaopt.transforms import GradTransform, HloTransform
 from xlaopt.transforms.compiler_options import CompilerOptions
 
-from conftest import needs_devices
+from conftest import LLAMA_TINY, needs_devices
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +185,8 @@ def test_disable_by_name_leaves_everything_replicated(program):
 
 
 @needs_devices(4)
-def test_dump_appears_where_asked(program, tmp_path):
-    small = program.replace(execution=ExecutionConfig(compute_dtype="float32"))
+def test_dump_appears_where_asked(tmp_path):
+    small = TrainProgram(LLAMA_TINY, MeshSpec.parse("fsdp=2,tensor=2"), execution=ExecutionConfig(compute_dtype="float32"))
     _, records = run_pipeline(small, pipeline(), dump_dir=tmp_path)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00-input.compiled.hlo", "00-input.diff", "00-input.lowered.mlir", "02-mesh-layout.compiled.hlo",
@@ -235,11 +235,12 @@ def test_transforms_compare_by_value():
 
 def test_traced_function_and_hlo_levels_are_wired(program):
     """A grad transform rewrites the traced step; an HLO transform sees the compiled module."""
+    from xlaopt.data.synthetic_text import SyntheticText
+
     watch = Watch()
-    base = TrainProgram(program.model)  # single device
+    base = TrainProgram(LLAMA_TINY)  # single device; any model's step is wired the same way
     rewritten = base.replace(grad_transforms=(ScaleLoss(2.0),), hlo_transforms=(watch,))
-    from xlaopt.data.synthetic_cosmos import SyntheticCosmos
-    batch = SyntheticCosmos(base.model, base.settings.batch).batch(0)
+    batch = SyntheticText(base.model, base.settings.batch).batch(0)
     losses = []
     for p in (base, rewritten):
         c = compile_program(p)
