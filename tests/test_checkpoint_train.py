@@ -23,9 +23,12 @@ def store(tiny_config, tmp_path_factory):
     return str(path)
 
 
-def _train(tmp_path, name, *args):
+LLAMA = ["--model", "llama-tiny", "--set", "num_layers=2", "--mesh", "fsdp=4,tensor=2", "--no-progress"]
+
+
+def _train(tmp_path, name, *args, model=TINY):
     out = tmp_path / f"{name}.json"
-    assert main(["train", *TINY, "--json", str(out), *args]) == 0
+    assert main(["train", *model, "--json", str(out), *args]) == 0
     return json.loads(out.read_text())
 
 
@@ -73,11 +76,11 @@ def test_a_checkpoint_resumes_under_another_execution_config(tmp_path, before, a
     policy continues under the other, on the losses the uninterrupted run has."""
     from xlaopt.runtime.verify import TOLERANCES
 
-    common = ["--steps", "4", "--data", "memory", "--ckpt", str(tmp_path / "ckpt"), "--resume"]
-    whole = _train(tmp_path, "whole", *common[:4], "--exec", f"remat={before}")
-    first = _train(tmp_path, "first", "--exec", f"remat={before}", *common, "--ckpt-every", "2")
+    common = ["--steps", "4", "--ckpt", str(tmp_path / "ckpt"), "--resume"]
+    whole = _train(tmp_path, "whole", *common[:2], "--exec", f"remat={before}", model=LLAMA)
+    first = _train(tmp_path, "first", "--exec", f"remat={before}", *common, "--ckpt-every", "2", model=LLAMA)
     shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
-    rest = _train(tmp_path, "rest", "--exec", f"remat={after}", *common)
+    rest = _train(tmp_path, "rest", "--exec", f"remat={after}", *common, model=LLAMA)
     assert first["execution"]["remat"] == before and rest["execution"]["remat"] == after
     assert rest["checkpoint"]["resumed_from"] == 2 and [s["step"] for s in rest["steps"]] == [2, 3]
     loss_tol = TOLERANCES["bfloat16"][0]
