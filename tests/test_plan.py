@@ -98,6 +98,7 @@ def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_rec
     row = BatchShape(4, 32, 0) if config.family == "decoder" else BatchShape(4, 16, 48)
     program = TrainProgram(config, settings=TrainSettings(batch=row), execution=ExecutionConfig(attention="segment"))
     traced = saved_bytes_per_token_layer(program, "bfloat16")
+    assert saved_bytes_per_token_layer(program, "float16") == traced  # the planner traces one for both
     formula = saved_per_token_layer(analytic_shape(config, 1.0), tp=1, compute=2)
     assert traced["full"] == formula["full"] == 2 * config.d_model
     assert traced["dots"] == formula["dots"]

@@ -182,8 +182,16 @@ def _traced_residuals(program: TrainProgram, precisions) -> tuple[dict, str]:
     """What each layer saves per token by (compute dtype, matmul format), traced from the program;
     where it cannot be traced here (cuDNN attention without JAX's CUDA plugin) the shape's
     formula, and why."""
+    # float16 saves what bfloat16 saves, byte for byte (the same sizes and the same fp32 upcasts;
+    # tests/test_plan.py checks it): traced once for both.
+    traced_as = lambda dtype: "bfloat16" if dtype == "float16" else dtype  # noqa: E731
     try:
-        return {(dt, mm): saved_bytes_per_token_layer(program, dt, mm) for dt, mm in precisions}, "traced"
+        traced = {}
+        for dtype, matmuls in precisions:
+            key = (traced_as(dtype), matmuls)
+            if key not in traced:
+                traced[key] = saved_bytes_per_token_layer(program, *key)
+        return {(dtype, matmuls): traced[traced_as(dtype), matmuls] for dtype, matmuls in precisions}, "traced"
     except UserError as e:
         return dict.fromkeys(precisions), f"formula: the program cannot be traced here ({e})"
 
