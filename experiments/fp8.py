@@ -18,10 +18,10 @@ Needs the `gpu-aot` extra (jax-cuda12-plugin) for 2 and 3. About 20 s per compil
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
+
+from layout_planner import plan_choice, print_plan_choice, write_json  # experiments/ is the script's path
 
 MODEL, TOPOLOGY, ROWS, SEQ, MICRO_BATCHES = "llama3-8b", "h100:1x8", 128, 8192, 16
 LAYOUT = "fsdp=8"
@@ -68,24 +68,8 @@ def priced_layout(remat: str, matmuls: str) -> dict:
 
 
 def planned(fp8: bool) -> dict:
-    from xlaopt.analysis.topology import parse_topology
-    from xlaopt.pipeline import after_planning
-    from xlaopt.planning.planner import plan
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from layout_planner import base_program
-
-    topology = parse_topology(TOPOLOGY)
-    program, batch = base_program(MODEL, topology, None, ROWS, SEQ)
     precisions = ("bfloat16", "float16", "fp8") if fp8 else ("bfloat16", "float16")
-    p = plan(program, topology, batch, prepare=after_planning, precisions=precisions)
-    best = p.best
-    return {"fp8": fp8, "best": str(best.candidate), "kind": best.candidate.kind, "method": best.method,
-            "step_time_s": best.step_time_s, "mfu": p.mfu(best), "memory_bytes": best.memory_bytes,
-            "plan_seconds": p.seconds, "space": len(p.ranked) + len(p.unfit) + len(p.rejected),
-            "compiled": [{"candidate": str(c.candidate), "step_time_s": c.step_time_s,
-                          "analytic_step_time_s": c.analytic.step_time_s, "reason": c.reason}
-                         for c in p.ranked + p.unfit if c.compiled is not None]}
+    return {"fp8": fp8, **plan_choice(MODEL, TOPOLOGY, ROWS, SEQ, precisions=precisions)}
 
 
 def _print_layouts(rows: list[dict]) -> None:
@@ -128,16 +112,8 @@ def main() -> int:
         out["plan"] = [planned(fp8) for fp8 in (False, True)]
         print(f"\nthe planner's choice for {MODEL} on {TOPOLOGY}, {ROWS} x {SEQ} (compiled for the GPU target):")
         for r in out["plan"]:
-            print(f"  {'with fp8' if r['fp8'] else 'without fp8':<12} {r['space']:>6} candidates, best {r['best']}: "
-                  f"{r['step_time_s']:.2f} s ({r['method']}), MFU {r['mfu']:.1%} (of the bf16 peak), "
-                  f"plan {r['plan_seconds']:.0f} s")
-            for c in r["compiled"]:
-                print(f"      {c['candidate']:<62} compiled {c['step_time_s']:6.2f} s  analytic "
-                      f"{c['analytic_step_time_s']:6.2f} s  {c['reason']}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\nwrote {args.json}")
+            print_plan_choice(f"{'with fp8' if r['fp8'] else 'without fp8':<12}", r)
+    write_json(out, args.json)
     return 0
 
 

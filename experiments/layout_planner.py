@@ -58,6 +58,41 @@ def base_program(model: str, topology, mix: str | None, global_batch: int | None
     return program, (mix_batch(program, mix) if mix else synthetic_batch(program))
 
 
+def plan_choice(model: str, topology_spec: str, rows: int, seq: int, **plan_options) -> dict:
+    """The planner's choice for `model` on a GPU topology, its candidates compiled for the GPU
+    target after the passes that follow it (as `xlaopt plan` runs), as JSON-ready data."""
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.pipeline import after_planning
+    from xlaopt.planning.planner import plan
+
+    topology = parse_topology(topology_spec)
+    program, batch = base_program(model, topology, None, rows, seq)
+    p = plan(program, topology, batch, prepare=after_planning, **plan_options)
+    best = p.best
+    return {"best": str(best.candidate), "kind": best.candidate.kind, "method": best.method,
+            "step_time_s": best.step_time_s, "mfu": p.mfu(best), "memory_bytes": best.memory_bytes,
+            "plan_seconds": p.seconds, "space": len(p.ranked) + len(p.unfit) + len(p.rejected),
+            "compiled": [{"candidate": str(c.candidate), "step_time_s": c.step_time_s,
+                          "analytic_step_time_s": c.analytic.step_time_s, "reason": c.reason}
+                         for c in p.ranked + p.unfit if c.compiled is not None]}
+
+
+def print_plan_choice(label: str, r: dict) -> None:
+    """One `plan_choice` result: the best layout, then each compiled candidate."""
+    print(f"  {label} {r['space']:>6} candidates, best {r['best']}: {r['step_time_s']:.2f} s ({r['method']}), "
+          f"MFU {r['mfu']:.1%} (of the bf16 peak), plan {r['plan_seconds']:.0f} s")
+    for c in r["compiled"]:
+        print(f"      {c['candidate']:<62} compiled {c['step_time_s']:6.2f} s  analytic "
+              f"{c['analytic_step_time_s']:6.2f} s  {c['reason']}")
+
+
+def write_json(out: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"\nwrote {path}")
+
+
 def run_case(name: str, exhaustive_max: int, precisions: tuple[str, ...] | None = None) -> dict:
     from xlaopt.analysis.topology import parse_topology
     from xlaopt.errors import UserError

@@ -18,10 +18,10 @@ Needs the `gpu-aot` extra (jax-cuda12-plugin) for 2 and 3. About 1 minute per co
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
+
+from layout_planner import plan_choice, print_plan_choice, write_json  # experiments/ is the script's path
 
 MODEL, TOPOLOGY, ROWS, SEQ = "llama3-70b", "h100:16x8", 512, 8192
 LAYOUT = "fsdp=16,tensor=8"
@@ -68,26 +68,9 @@ def priced_layout(sequence_parallel: bool, pipelined: bool) -> dict:
 
 
 def planned(new_dimensions: bool) -> dict:
-    from xlaopt.analysis.topology import parse_topology
-    from xlaopt.pipeline import after_planning
-    from xlaopt.planning.planner import plan
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from layout_planner import base_program
-
-    topology = parse_topology(TOPOLOGY)
-    program, batch = base_program(MODEL, topology, None, ROWS, SEQ)
     old = {} if new_dimensions else {"sequence_parallel": (False,), "remats": ("none", "dots", "full"),
                                      "precisions": ("bfloat16", "float16")}
-    p = plan(program, topology, batch, prepare=after_planning, **old)
-    best = p.best
-    return {"new_dimensions": new_dimensions, "best": str(best.candidate), "kind": best.candidate.kind,
-            "method": best.method, "step_time_s": best.step_time_s, "mfu": p.mfu(best),
-            "memory_bytes": best.memory_bytes, "plan_seconds": p.seconds,
-            "space": len(p.ranked) + len(p.unfit) + len(p.rejected),
-            "compiled": [{"candidate": str(c.candidate), "step_time_s": c.step_time_s,
-                          "analytic_step_time_s": c.analytic.step_time_s, "reason": c.reason}
-                         for c in p.ranked + p.unfit if c.compiled is not None]}
+    return {"new_dimensions": new_dimensions, **plan_choice(MODEL, TOPOLOGY, ROWS, SEQ, **old)}
 
 
 def main() -> int:
@@ -124,16 +107,8 @@ def main() -> int:
         out["plan"] = [planned(new) for new in (False, True)]
         print(f"\nthe planner's choice for {MODEL} on {TOPOLOGY}, {ROWS} x {SEQ} (compiled for the GPU target):")
         for r in out["plan"]:
-            print(f"  {'with SP, named policies, fp8' if r['new_dimensions'] else 'without them':<29} {r['space']:>6} "
-                  f"candidates, best {r['best']}: {r['step_time_s']:.2f} s ({r['method']}), MFU {r['mfu']:.1%}, "
-                  f"plan {r['plan_seconds']:.0f} s")
-            for c in r["compiled"]:
-                print(f"      {c['candidate']:<62} compiled {c['step_time_s']:6.2f} s  analytic "
-                      f"{c['analytic_step_time_s']:6.2f} s  {c['reason']}")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"\nwrote {args.json}")
+            print_plan_choice(f"{'with SP, named policies, fp8' if r['new_dimensions'] else 'without them':<29}", r)
+    write_json(out, args.json)
     return 0
 
 
