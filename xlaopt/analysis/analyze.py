@@ -165,7 +165,7 @@ def _resolve(program: TrainProgram, topology: Topology, target: str | None, batc
     if target != program.target:
         program = program.replace(target=target)  # its compiler options are checked against the new target
     check_fits(program, topology)
-    if program.execution.matmuls == "fp8" and "float8" not in topology.device.peak_flops:
+    if program.execution.matmuls == "fp8" and not topology.device.has_fp8:
         raise UserError(f"--exec matmuls=fp8: {topology.device.name} has no fp8 matmuls; they run on Hopper GPUs "
                         f"(h100, h200 topologies): use matmuls=compute here")
     if batch is None:

@@ -299,7 +299,7 @@ def prepare(run: Run) -> Priced | str:
     software = software_for(run)
     if isinstance(software, str):
         return software
-    if software.fp8_linear and "float8" not in topology.device.peak_flops:
+    if software.fp8_linear and not topology.device.has_fp8:
         return f"{topology.device.name} has no fp8 peak"
     return Priced(run, topology, software)
 

@@ -30,6 +30,11 @@ class Device:
     hbm_bytes: float
     hbm_bytes_per_s: float
 
+    @property
+    def has_fp8(self) -> bool:
+        """Whether it multiplies fp8 matrices (an fp8 peak: Hopper and newer)."""
+        return "float8" in self.peak_flops
+
 
 @dataclasses.dataclass(frozen=True)
 class LinkLevel:

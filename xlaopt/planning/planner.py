@@ -169,7 +169,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
 def _precisions_for(topology: Topology, precisions: tuple[str, ...] | None) -> tuple[str, ...]:
     """The precisions asked for (checked), by default every one the device runs: fp8 only with an
     fp8 peak (Hopper on)."""
-    has_fp8 = "float8" in topology.device.peak_flops
+    has_fp8 = topology.device.has_fp8
     if precisions is None:
         return tuple(p for p in PRECISIONS if p != "fp8" or has_fp8)
     if "fp8" in check_precisions(precisions) and not has_fp8:
