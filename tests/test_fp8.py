@@ -192,3 +192,29 @@ def test_fp8_layers_save_what_bf16_layers_save_or_less():
     fp8 = saved_bytes_per_token_layer(program, "bfloat16", "fp8")
     assert fp8["full"] == bf16["full"] == 2 * LLAMA_TINY.d_model and fp8["dots"] == bf16["dots"]
     assert fp8["none"] < bf16["none"]
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_under_fsdp_xla_gathers_the_projection_weights_in_fp8():
+    """What the planner's price assumes (`planning/price.py`: fp8 weights gathered at 1 B): on
+    the GPU target XLA casts each weight shard to fp8 before FSDP's all-gather (the scale is a
+    max over every shard), so the gathers carry f8e4m3fn, not the fp32 master weights."""
+    import re
+
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.compile import compile_program
+
+    topology = parse_topology("h100:1x2")
+
+    def gathered_dtypes(matmuls):
+        program = TrainProgram(LLAMA_TINY, MeshSpec.parse("fsdp=2"), target="gpu",
+                               execution=ExecutionConfig(matmuls=matmuls, attention="cudnn"))
+        program, _ = run_pipeline(program, pipeline())
+        mesh = gpu_aot.gpu_mesh(topology, (1, 2, 1, 1), ("data", "fsdp", "tensor", "context"))
+        text = compile_program(program, mesh).train_step.as_text()
+        # The results of the (combined) gathers: the shape list before each `all-gather-done(`.
+        results = [line.split(" all-gather-done(")[0] for line in text.splitlines() if " all-gather-done(" in line]
+        return {dtype for r in results for dtype in re.findall(r"(\w+)\[", r.split("=", 1)[1])}
+
+    fp8, compute = gathered_dtypes("fp8"), gathered_dtypes("compute")
+    assert "f8e4m3fn" in fp8 and "f8e4m3fn" not in compute and "f32" in compute  # bf16 gathers fp32 masters
