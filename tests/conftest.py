@@ -63,10 +63,10 @@ def needs_devices(n: int):
 def command_env(devices: int | None = None, fast_compile: bool = True, cpu_only: bool = True,
                 **extra: str) -> dict:
     """The environment of a process a test starts: CPU only (unless `cpu_only=False`: the process
-    picks its platform as a user's does), LLVM at -O0 (unless `fast_compile=False`: compiled as a
-    user's is; not the emitters: see suite_compile.py), and `devices` simulated devices where
-    given (else the process asks for its own, as the CLI does from its mesh)."""
-    flags = (suite_compile.LLVM_O0 if fast_compile else "") + (
+    picks its platform as a user's does), the suite's fast compile (unless `fast_compile=False`:
+    compiled as a user's is; see suite_compile.py), and `devices` simulated devices where given
+    (else the process asks for its own, as the CLI does from its mesh)."""
+    flags = (suite_compile.COMMAND_FLAGS if fast_compile else "") + (
         f" --xla_force_host_platform_device_count={devices}" if devices else "")
     env = dict(os.environ, XLA_FLAGS=flags, **extra)
     if cpu_only:
@@ -133,14 +133,15 @@ def check_pass(program, topology=None, options=None, *, reference: bool = True, 
 
 # The test files that take longest, longest first, as measured in a two-worker run (docs/tests.md).
 # `--dist loadfile` hands each worker the next file when it finishes one; a long file handed out
-# last runs alone on one core while the other idles, so the long ones go first. (The order of the
-# two fastest runs measured; docs/tests.md.)
+# last runs alone on one core while the other idles, so the long ones go first. (Ordered by the
+# run of 2026-12-04 15:30, with the two-process jobs' later cut; docs/tests.md.)
 LONGEST_FILES = (
-    "test_faults.py", "test_verify.py", "test_cli.py", "test_layout.py", "test_stack.py", "test_hierarchical_grads.py",
-    "test_checkpoint_train.py", "test_plan.py", "test_collective_matmul.py", "test_ulysses.py", "test_attention.py",
-    "test_resnet.py", "test_hlo.py", "test_pipeline.py", "test_analyze.py", "test_api.py", "test_vit.py",
-    "test_remat.py", "test_sequence_parallel.py", "test_loader.py", "test_train_process.py", "test_checkpoint_process.py",
-    "test_generate_sharded.py", "test_loss_scale.py", "test_attention_work.py", "test_sample_cosmos.py",
+    "test_faults.py", "test_verify.py", "test_plan.py", "test_hierarchical_grads.py", "test_cli.py", "test_ulysses.py",
+    "test_hlo.py", "test_analyze.py", "test_stack.py", "test_checkpoint_train.py", "test_checkpoint_process.py",
+    "test_remat.py", "test_layout.py", "test_train_process.py", "test_api.py", "test_sequence_parallel.py",
+    "test_resnet.py", "test_attention.py", "test_attention_work.py", "test_pipeline.py", "test_vit.py",
+    "test_sample_cosmos.py", "test_collective_matmul.py", "test_loss_scale.py", "test_generate_sharded.py",
+    "test_loader.py",
 )
 
 

@@ -14,8 +14,10 @@ So the suite executes the fast executable, but whatever reads one (`Compiled.as_
 program compiled with the user's emitters instead, compiled from the same lowering on first read.
 `test_hlo.py` checks that this is the HLO of a process without any XLA flags.
 
-Commands the tests start in processes of their own get -O0 only (`LLVM_O0`): nothing there
-redirects their reads.
+Commands the tests start in processes of their own compile fast too (`COMMAND_FLAGS`: both
+flags) unless a test asks for a user's compile. Nothing redirects their reads, so no such process
+may read a compiled program: they train, save, restore and compare numbers, never `analyze` or
+`inspect` (those run in the suite's own processes).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import functools
 # Constants only at import: conftest puts the flags into XLA_FLAGS before JAX starts.
 LLVM_O0 = "--xla_backend_optimization_level=0"
 ELEMENTAL_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+COMMAND_FLAGS = f"{LLVM_O0} {ELEMENTAL_EMITTERS}"
 # A per-compile option overrides XLA_FLAGS: this gives back a user's emitters for one compile.
 USERS_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 _READS = ("as_text", "cost_analysis", "memory_analysis")
