@@ -78,7 +78,11 @@ _MANUAL_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("
 
 
 def manual_axes() -> tuple[str, ...]:
-    return _MANUAL_AXES.get()
+    """The manual axes named by `manual_over`, and those of the mesh being traced: a custom VJP's
+    backward inside a shard_map is traced by the shard_map's transpose, after the rewrite that
+    entered `manual_over` has returned, and only the trace's mesh still says what is manual."""
+    traced = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(dict.fromkeys(_MANUAL_AXES.get() + traced))
 
 
 def manual_over(axes: tuple[str, ...]):

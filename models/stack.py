@@ -8,7 +8,9 @@ carry` with the stacked parameters. A strategy is a plain function registered by
 `STRATEGIES`:
   scan      one `lax.scan` over the stacked parameters: compile time independent of depth;
   unrolled  one call per layer, so XLA schedules each layer on its own (and a pass can see
-            layer i's weights apart from layer i+1's).
+            layer i's weights apart from layer i+1's);
+  pipeline  the layers cut into stages over the mesh axis `stage`, micro-batches handed from
+            stage to stage (`xlaopt.models.pipeline`), each stage's layers a scan.
 A gradient rewrite may hook each layer's parameters as the layer reads them
 (`layer_params_through`): a hook `(params_i, path) -> params_i` that is the identity forward and
 acts on the layer's parameter gradients in its backward, so whatever it does runs inside the
@@ -25,6 +27,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
+from xlaopt.models.pipeline import pipeline_layers
 from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.tracing import installed
 
@@ -40,7 +43,7 @@ def layer_params_through(hook: Callable):
     return installed(_PARAMS_HOOK, hook)
 
 
-def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
+def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec | None" = None):
     def body(c, params_i):
         return layer_fn(params_i, c, *args), None
 
@@ -48,20 +51,26 @@ def scan_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
     return carry
 
 
-def unrolled_layers(layer_fn: LayerFn, params_L, carry, args: tuple):
+def unrolled_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec | None" = None):
     depth = jax.tree.leaves(params_L)[0].shape[0]
     for i in range(depth):
         carry = layer_fn(jax.tree.map(lambda a, i=i: a[i], params_L), carry, *args)
     return carry
 
 
-STRATEGIES: dict[str, Callable] = {"scan": scan_layers, "unrolled": unrolled_layers}
+def pipelined_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec"):
+    return pipeline_layers(layer_fn, params_L, carry, args, spec.microbatches, inner=scan_layers)
+
+
+# name -> strategy(layer_fn, params_L, carry, args, spec) -> carry
+STRATEGIES: dict[str, Callable] = {"scan": scan_layers, "unrolled": unrolled_layers, "pipeline": pipelined_layers}
 
 
 @dataclasses.dataclass(frozen=True)
 class StackSpec:
     strategy: str = "scan"
     remat: str = "none"
+    microbatches: int = 0  # pipeline: micro-batches a step's rows are cut into (0: one per stage)
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -109,4 +118,4 @@ class LayerStack(nn.Module):
                 params_i = hook(params_i, path)
             return layer.apply({"params": params_i}, c, *a)
 
-        return STRATEGIES[self.spec.strategy](self.spec.wrap(layer_fn), params_L, carry, args)
+        return STRATEGIES[self.spec.strategy](self.spec.wrap(layer_fn), params_L, carry, args, self.spec)

@@ -99,6 +99,9 @@ class HierarchicalGrads(Pass):
         if program.execution.attention == "cudnn":
             return (f"attention=cudnn cannot run inside the pass's shard_map on jax {jax.__version__} (its custom "
                     f"partitioning fails Shardy's verifier there); use attention=segment")
+        if program.execution.layer_stack == "pipeline":
+            return ("layer_stack=pipeline: the pass reduces each layer's gradient inside the backward loop, which "
+                    "under a pipeline runs once per tick (micro-batches + stages - 1 times a step), not once")
         if family_of(program.model).update_state is not None:
             return ("the model keeps batch statistics: inside the pass's shard_map each device would normalise "
                     "with its own rows' moments, not the whole batch's")

@@ -24,7 +24,7 @@ def test_train_tiny_on_data2_fsdp2_tensor2_lowers_loss(tmp_path):
             "model_flops_per_step", "mfu"} <= set(result)
     assert [s["step"] for s in result["steps"]] == list(range(40))
     assert all({"step", "loss", "step_time_s", "data_wait_s"} <= set(s) for s in result["steps"])
-    assert result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1}
+    assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2, "context": 1}
     # The loss falls clearly: the last five steps average under two thirds of the first five.
     assert result["loss_last5_mean"] < (2 / 3) * result["loss_first5_mean"], result["loss_last5_mean"]
     assert 0 < result["mfu"] < 1 and result["model_flops_per_step"] > 0

@@ -9,7 +9,7 @@ import pytest
 from xlaopt.analysis import gpu_aot
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
-from xlaopt.mesh import MeshSpec
+from xlaopt.mesh import MESH_AXES, MeshSpec
 from xlaopt.models.fp8 import BACKWARD, FORWARD, fp8_einsum, quantize
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
@@ -121,7 +121,7 @@ def test_on_the_gpu_target_every_projection_is_an_fp8_gemm():
         program, _ = run_pipeline(program, pipeline())
         if options:
             program = program.replace(compiler_options=program.compiler_options.merged(dict(options)))
-        return compile_program(program, gpu_aot.gpu_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "tensor", "context"))
+        return compile_program(program, gpu_aot.gpu_mesh(topology, (1, 1, 1, 1, 1), MESH_AXES)
                                ).train_step.as_text()
 
     execution = ExecutionConfig(matmuls="fp8", attention="cudnn", layer_stack="unrolled")
@@ -210,7 +210,7 @@ def test_under_fsdp_xla_gathers_the_projection_weights_in_fp8():
         program = TrainProgram(LLAMA_TINY, MeshSpec.parse("fsdp=2"), target="gpu",
                                execution=ExecutionConfig(matmuls=matmuls, attention="cudnn"))
         program, _ = run_pipeline(program, pipeline())
-        mesh = gpu_aot.gpu_mesh(topology, (1, 2, 1, 1), ("data", "fsdp", "tensor", "context"))
+        mesh = gpu_aot.gpu_mesh(topology, MeshSpec.parse("fsdp=2").sizes, MESH_AXES)
         text = compile_program(program, mesh).train_step.as_text()
         # The results of the (combined) gathers: the shape list before each `all-gather-done(`.
         results = [line.split(" all-gather-done(")[0] for line in text.splitlines() if " all-gather-done(" in line]

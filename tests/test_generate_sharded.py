@@ -156,7 +156,7 @@ def test_sampling_work_is_split(cosmos):
 
 TINY = ["--set", "num_layers=1", "--set", "d_model=64", "--set", "mlp_dim=128", "--set", "num_heads=4",
         "--set", "num_kv_heads=2"]
-TENSOR2 = {"data": 1, "fsdp": 1, "tensor": 2, "context": 1}
+TENSOR2 = {"stage": 1, "data": 1, "fsdp": 1, "tensor": 2, "context": 1}
 
 
 @pytest.mark.parametrize("args", [

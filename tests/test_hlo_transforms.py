@@ -11,7 +11,7 @@ import pytest
 from xlaopt.analysis import gpu_aot
 from xlaopt.compile import compile_program
 from xlaopt.errors import UserError
-from xlaopt.mesh import MeshSpec
+from xlaopt.mesh import MESH_AXES, MeshSpec
 from xlaopt.models.registry import get_config
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
@@ -103,7 +103,7 @@ def test_deviceless_gpu_compile_skips_registered_transforms_so_programs_refuse_t
     program = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=2"), target="gpu")
     program, _ = run_pipeline(program.replace(hlo_transforms=(RenameInstructions(opcodes=("dot",), prefix="x_"),)),
                               pipeline())
-    devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, ("data", "fsdp", "tensor", "context"))
+    devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, MESH_AXES)
     with pytest.raises(UserError, match="cannot run in a deviceless GPU compile on jax 0.10.2"):
         compile_program(program, devices).train_step  # noqa: B018
 

@@ -91,7 +91,8 @@ HSDP_ORDERED = {"model": "llama-tiny", "topology": "h100:2x4", "mesh": {"data": 
 def test_layout_file_holds_order_batch_execution_and_round_trips_as_toml(tmp_path):
     (tmp_path / "l.json").write_text(json.dumps(HSDP_ORDERED))
     layout = load_layout(tmp_path / "l.json")
-    assert layout.mesh.order == ("data", "fsdp", "context", "tensor")
+    # An order written before pipeline stages existed: its stage axis (size 1) goes outermost.
+    assert layout.mesh.order == ("stage", "data", "fsdp", "context", "tensor")
     assert (layout.batch.batch_size, layout.batch.text_len, layout.execution.remat) == (8, 32, "full")
     assert (layout.model, layout.topology) == ("llama-tiny", "h100:2x4")
     save_layout(layout, tmp_path / "l.toml")
@@ -109,7 +110,7 @@ def test_order_places_the_inner_axes_inside_a_node():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"order": ["data", "fsdp"]}, "must name each of data, fsdp, tensor, context once"),
+    ({"order": ["data", "fsdp"]}, "must name each of stage, data, fsdp, tensor, context once"),
     ({"batch": {"rows": 8}}, "batch has unknown fields ['rows']"),
     ({"batch": {"batch_size": "8"}}, "batch.batch_size = '8' must be int"),
     ({"execution": {"remat": "sometimes"}}, "execution setting remat='sometimes'"),

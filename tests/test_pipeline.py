@@ -278,7 +278,7 @@ def test_tracing_installs_the_mesh_and_constraints_compose(program):
     # Traced twice (the layout pass's abstract trace, then the compile), each time on the mesh.
     lowered = compile_program(laid_out).lowered.as_text()
     marks = [i for i, s in enumerate(seen) if isinstance(s, dict)]
-    assert [seen[i] for i in marks] == [{"data": 1, "fsdp": 2, "tensor": 2, "context": 1}] * 2
+    assert [seen[i] for i in marks] == [{"stage": 1, "data": 1, "fsdp": 2, "tensor": 2, "context": 1}] * 2
     recorded = len(seen) - marks[1] - 1
     # Every activation the recorder saw also got the layout's sharding constraint, and no other:
     # each once in the forward pass and once, transposed, in the backward pass. Backward rules of

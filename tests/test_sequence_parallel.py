@@ -12,7 +12,7 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.families import family_of
-from xlaopt.mesh import MeshSpec
+from xlaopt.mesh import MESH_AXES, MeshSpec
 from xlaopt.models.layers import RESIDUAL_BLD
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
@@ -85,7 +85,7 @@ def test_on_the_gpu_target_each_sub_block_reduce_scatters_instead_of_all_reducin
         program = TrainProgram(LLAMA_TINY, MeshSpec.parse("tensor=2"), rules=rules, target="gpu",
                                execution=ExecutionConfig(attention="cudnn"))
         program, _ = run_pipeline(program, pipeline())
-        devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, ("data", "fsdp", "tensor", "context"))
+        devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, MESH_AXES)
         text = compile_program(program, devices).train_step.as_text()
         d, length = LLAMA_TINY.d_model, program.settings.batch.text_len
         rows = program.settings.batch.batch_size
@@ -120,4 +120,4 @@ def test_the_planner_offers_it_with_tensor_parallelism_and_prices_what_it_splits
     assert on.breakdown.compute_s < off.breakdown.compute_s
     assert on.memory_parts["saved"] == pytest.approx(off.memory_parts["saved"] / 8)
     program = candidate_program(TrainProgram(config), Candidate(1, 2, 8, 1, sequence_parallel=True))
-    assert sequence_parallel(program.rules, program.mesh) and program.mesh.sizes == (1, 2, 8, 1)
+    assert sequence_parallel(program.rules, program.mesh) and program.mesh.sizes == MeshSpec.of(fsdp=2, tensor=8).sizes

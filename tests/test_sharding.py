@@ -11,7 +11,7 @@ from xlaopt.sharding import DEFAULT_RULES, RuleUse, logical_to_spec
 
 def test_mesh_spec_parsing():
     m = MeshSpec.parse("data=2,fsdp=2,tensor=2")
-    assert m.as_dict() == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1} and m.num_devices == 8
+    assert m.as_dict() == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2, "context": 1} and m.num_devices == 8
     assert str(MeshSpec.parse("")) == "single-device"
     for bad, msg in [("foo=2", "unknown axis 'foo'"), ("data=0", "positive integer"), ("data", "axis=size"),
                      ("data=2,data=2", "given twice")]:

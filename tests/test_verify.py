@@ -72,7 +72,7 @@ def test_cli_verify_data2_fsdp2_tensor2(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert rc == 0 and result["ok"], result
     assert set(result) >= {"max_abs_diff_loss", "max_rel_diff_grads", "ok"}
-    assert result["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "context": 1}
+    assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2, "context": 1}
     assert ": ok" in capsys.readouterr().out
 
 

@@ -53,6 +53,9 @@ class ExecutionConfig:
     attention_max_segments: int = MAX_SEGMENTS  # attention=cudnn: samples a row may hold (a static shape of the step)
     layer_stack: str = "scan"  # a strategy of `xlaopt.models.stack.STRATEGIES`
     micro_batches: int = 1  # gradient accumulation: the batch is split into this many along its rows
+    # layer_stack=pipeline: the micro-batches each accumulation step's rows are cut into for the
+    # pipeline's stages (0: one per stage; else a multiple of the stages)
+    pipeline_microbatches: int = 0
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.
     loss_scale_init: float = 2.0**15
@@ -67,6 +70,9 @@ class ExecutionConfig:
         for field in ("attention_block", "attention_max_segments", "micro_batches", "loss_scale_growth_interval"):
             if getattr(self, field) < 1:
                 raise UserError(f"execution setting {field}={getattr(self, field)} must be at least 1")
+        if self.pipeline_microbatches < 0:
+            raise UserError(f"execution setting pipeline_microbatches={self.pipeline_microbatches} must be 0 (one "
+                            f"per stage) or a positive multiple of the mesh's stages")
         init = self.loss_scale_init
         # fp32 holds powers of two from 2^-126 to 2^127 exactly; the scaled loss is fp32.
         if not (math.isfinite(init) and init > 0 and math.frexp(init)[0] == 0.5 and -126 <= math.log2(init) <= 127):
@@ -76,7 +82,7 @@ class ExecutionConfig:
 
     @property
     def stack(self) -> StackSpec:
-        return StackSpec(self.layer_stack, self.remat)
+        return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches)
 
     @property
     def attention_spec(self) -> AttentionSpec:

@@ -18,10 +18,14 @@ import math
 
 from xlaopt.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor", "context")
-# Megatron's rank order (tensor innermost, then context, then data), the one the analytic cost
-# model assumes; the FSDP shard ranks sit inside the data replicas (HSDP's shard group inner).
-DEVICE_ORDER_TENSOR_INNER = ("data", "fsdp", "context", "tensor")
+# `stage` cuts the layer stack into pipeline stages (`xlaopt.models.pipeline`); first, so that a
+# stage is the outermost block of devices by default, as in Megatron's rank order.
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "context")
+STAGE = "stage"
+# Megatron's rank order (tensor innermost, then context, then data, pipeline stages outermost),
+# the one the analytic cost model assumes; the FSDP shard ranks sit inside the data replicas
+# (HSDP's shard group inner).
+DEVICE_ORDER_TENSOR_INNER = ("stage", "data", "fsdp", "context", "tensor")
 # Beyond this many simulated CPU devices compile time and host memory stop being practical;
 # larger meshes are analysed abstractly, not run.
 MAX_SIMULATED_DEVICES = 512
@@ -39,12 +43,23 @@ class MeshSpec:
     order: tuple[str, ...] = MESH_AXES
 
     def __post_init__(self):
+        if STAGE not in self.order and len(self.order) == len(MESH_AXES) - 1:
+            # An order written before pipeline stages existed: its stage axis (size 1) outermost.
+            object.__setattr__(self, "order", (STAGE, *self.order))
         if len(self.sizes) != len(MESH_AXES) or any(s < 1 for s in self.sizes):
             raise MeshError(f"mesh sizes {self.sizes} must be {len(MESH_AXES)} positive ints for {MESH_AXES}")
         if sorted(self.order) != sorted(MESH_AXES):
             raise MeshError(f"mesh order {list(self.order)} must name each of {', '.join(MESH_AXES)} once "
                             f"(outermost first), e.g. {list(DEVICE_ORDER_TENSOR_INNER)}")
         object.__setattr__(self, "order", tuple(self.order))
+
+    @classmethod
+    def of(cls, order: tuple[str, ...] = MESH_AXES, **sizes: int) -> "MeshSpec":
+        """A mesh from axis sizes by name (an axis left out has size 1)."""
+        unknown = sorted(set(sizes) - set(MESH_AXES))
+        if unknown:
+            raise MeshError(f"unknown mesh axes {unknown}; axes are {', '.join(MESH_AXES)}")
+        return cls(tuple(sizes.get(a, 1) for a in MESH_AXES), order)
 
     def with_order(self, order) -> "MeshSpec":
         return MeshSpec(self.sizes, tuple(order))

@@ -13,6 +13,7 @@ one (so `changed` is simply `new != old`, and a planner can cache prices by prog
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +22,8 @@ from jax.sharding import PartitionSpec
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, ExecutionConfig
-from xlaopt.mesh import MeshSpec
+from xlaopt.families import family_of
+from xlaopt.mesh import STAGE, MeshSpec
 from xlaopt.sharding import DEFAULT_RULES, Rule, sequence_axes, validate_rules
 
 NONFINITE = ("none", "stop", "skip")
@@ -116,12 +118,51 @@ class TrainProgram:
                             f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
                             f"a sharded sequence; drop that axis, or use attention=segment")
         self.execution.check_batch(self.settings.batch.batch_size)
+        self._check_pipeline()
         for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
                                        ("HLO", self.hlo_transforms, HloTransform)):
             for t in transforms:
                 if not isinstance(t, base):
                     raise TypeError(f"{kind} transform {t!r} is not a {base.__name__} (a frozen dataclass "
                                     f"compared by value)")
+
+    def _check_pipeline(self) -> None:
+        stages, execution = self.mesh.size(STAGE), self.execution
+        if execution.layer_stack != "pipeline":
+            if stages > 1:
+                raise UserError(f"mesh {self.mesh} cuts the layers into {stages} pipeline stages, which only a "
+                                f"pipeline runs; add --exec layer_stack=pipeline, or drop {STAGE} from the mesh")
+            return
+        if not family_of(self.model).has_layer_stack:
+            raise UserError(f"execution setting layer_stack=pipeline: {type(self.model).__name__} has no stack of "
+                            f"layers to cut into stages; use layer_stack=scan")
+        if execution.attention == "cudnn" and stages > 1:
+            # Checked in tests/test_pipeline_parallel.py: JAX's cuDNN call inside a shard_map manual
+            # over some axes fails its custom partitioning (an AssertionError in _to_jax_sharded_shape).
+            raise UserError(f"execution setting attention=cudnn cannot run inside the pipeline's stages on jax "
+                            f"{jax.__version__} (cuDNN's custom partitioning fails inside a shard_map over "
+                            f"{STAGE}); use --exec attention=dense with layer_stack=pipeline")
+        if execution.compute_dtype == "bfloat16" and self.target == "cpu" and stages > 1:
+            # Checked in tests/test_pipeline_parallel.py: the process aborts inside XLA:CPU's compile.
+            raise UserError(f"layer_stack=pipeline in bfloat16 aborts XLA:CPU's compile on jax {jax.__version__} "
+                            f"(the GPU target compiles it); on the cpu target use --dtype float32 or float16")
+        layers = self.model.num_layers
+        if layers % stages:
+            raise UserError(f"mesh {self.mesh}: {stages} pipeline stages do not divide the model's {layers} layers; "
+                            f"pick a {STAGE} size that divides {layers} "
+                            f"({', '.join(str(d) for d in range(1, layers + 1) if layers % d == 0)})")
+        microbatches = execution.pipeline_microbatches or stages
+        if microbatches % stages:
+            raise UserError(f"execution setting pipeline_microbatches={microbatches} is not a multiple of the "
+                            f"{stages} pipeline stages; use {stages}, {2 * stages}, ... (or 0: one per stage)")
+        row_axes = next((axes for logical, axes in self.rules if logical == "batch"), ())
+        shards = math.prod(self.mesh.size(a) for a in row_axes if a != STAGE)
+        rows = self.settings.batch.batch_size // execution.micro_batches
+        if rows % (microbatches * shards):
+            need = microbatches * shards * execution.micro_batches
+            raise UserError(f"layer_stack=pipeline: the step's {rows} rows (each accumulation micro-batch's) do not "
+                            f"split into {microbatches} pipeline micro-batches over {shards} row shards; use a "
+                            f"global batch that is a multiple of {need}, or fewer pipeline_microbatches")
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)

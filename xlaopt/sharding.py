@@ -29,15 +29,17 @@ from xlaopt.mesh import MESH_AXES, MeshError, MeshSpec
 Rule = tuple[str, tuple[str, ...]]
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    # activations
-    ("batch", ("data", "fsdp")),
+    # activations (rows over the pipeline's stages too: `xlaopt.models.pipeline`)
+    ("batch", ("data", "fsdp", "stage")),
     ("seq", ("context",)),
     ("residual_seq", ("context",)),  # `with_sequence_parallel` adds tensor
     ("act_heads", ("tensor",)),
     ("act_kv_heads", ("tensor",)),
     ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
-    # parameters: FSDP shards the model dimension, tensor parallelism heads / mlp / vocab
+    # parameters: pipeline stages split the layer stack, FSDP shards the model dimension, tensor
+    # parallelism heads / mlp / vocab
+    ("layers", ("stage",)),
     ("embed", ("fsdp",)),
     ("heads", ("tensor",)),
     ("kv_heads", ("tensor",)),

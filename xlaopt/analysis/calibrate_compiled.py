@@ -123,7 +123,7 @@ def execution_for(recompute: str, attention: str):
 
 
 def mesh_for(layout) -> MeshSpec:
-    return MeshSpec((max(layout.dp, 1), max(layout.fsdp, 1), layout.tp, 1))
+    return MeshSpec.of(data=max(layout.dp, 1), fsdp=max(layout.fsdp, 1), tensor=layout.tp)
 
 
 @dataclasses.dataclass

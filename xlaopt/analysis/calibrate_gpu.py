@@ -53,7 +53,8 @@ def gpu_blocker(priced) -> str:
 
 
 def mesh_for(layout) -> MeshSpec:
-    return MeshSpec((max(layout.dp, 1), max(layout.fsdp, 1), layout.tp, 1), DEVICE_ORDER_TENSOR_INNER)
+    return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, data=max(layout.dp, 1), fsdp=max(layout.fsdp, 1),
+                       tensor=layout.tp)
 
 
 def approximations(priced) -> list[str]:

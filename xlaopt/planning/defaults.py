@@ -118,7 +118,7 @@ def plan_program(config, topology, *, target: str = "auto", mix: str | None = No
 def _data_mesh(n: int):
     from xlaopt.mesh import MeshSpec
 
-    return MeshSpec((n, 1, 1, 1))
+    return MeshSpec.of(data=n)
 
 
 def _splittable(config, batch: BatchShape, topology, attention: str) -> tuple[BatchShape, str]:

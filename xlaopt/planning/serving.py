@@ -65,7 +65,7 @@ class ServingPrice:
 
     @property
     def mesh(self) -> MeshSpec:
-        return MeshSpec((self.dp, 1, self.tp, 1), DEVICE_ORDER_TENSOR_INNER)
+        return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, data=self.dp, tensor=self.tp)
 
 
 def _tensor_dims(config) -> dict[str, int]:

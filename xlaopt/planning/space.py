@@ -69,7 +69,7 @@ class Candidate:
 
     @property
     def mesh(self) -> MeshSpec:
-        return MeshSpec((self.dp, self.fsdp, self.tp, self.cp), DEVICE_ORDER_TENSOR_INNER)
+        return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, data=self.dp, fsdp=self.fsdp, tensor=self.tp, context=self.cp)
 
     @property
     def kind(self) -> str:

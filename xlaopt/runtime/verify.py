@@ -63,12 +63,15 @@ def tolerance_key(execution) -> str:
 
 def reference_program(program: TrainProgram) -> TrainProgram:
     """The single-device program `program` is compared to, before the pass pipeline: the same
-    program on one device, in float32 where `program` computes in float16."""
-    single = program.replace(mesh=MeshSpec(), shardings=None)
-    if program.execution.compute_dtype in REFERENCE_DTYPES:
-        execution = dataclasses.replace(program.execution, compute_dtype=REFERENCE_DTYPES[program.execution.compute_dtype])
-        single = single.replace(execution=execution)
-    return single
+    program on one device, in float32 where `program` computes in float16, its layers scanned
+    where `program` pipelines them (so the pipeline's own code is checked, not compared with
+    itself)."""
+    execution = program.execution
+    if execution.compute_dtype in REFERENCE_DTYPES:
+        execution = dataclasses.replace(execution, compute_dtype=REFERENCE_DTYPES[execution.compute_dtype])
+    if execution.layer_stack == "pipeline":
+        execution = dataclasses.replace(execution, layer_stack="scan", pipeline_microbatches=0)
+    return program.replace(mesh=MeshSpec(), shardings=None, execution=execution)
 
 
 def one_step_grads(program: TrainProgram):

@@ -1,0 +1,138 @@
+"""Pipeline parallelism: the layer stack cut into stages over the mesh axis `stage`.
+
+An SPMD pipeline (one program on every device, as GSPMD partitions the rest), in a shard_map
+manual over `stage` alone, so data, FSDP, tensor and context stay automatic and compose inside
+each stage. The stacked parameters' `layers` axis is split over `stage` by the rule table
+(device p holds layers [p*k, (p+1)*k)), so the parameter tree, a checkpoint and a layout file
+are those of every other strategy.
+
+The rows entering the stack are cut into M micro-batches. At tick t, stage p runs its k layers
+on micro-batch t - p and hands the result to stage p + 1 with one `ppermute`; stage 0 reads
+micro-batch t from the stack's input and the last stage writes micro-batch t - (P - 1) to the
+output. A reduce-scatter over `stage` then hands each stage M / P micro-batches of the output,
+and which rows form a micro-batch is chosen so that these are exactly the rows the rule table
+gives that stage (`batch` splits rows over data, FSDP and then stage): the final norm, the head
+and the loss run split over the stages like data parallelism, not on one stage for all rows.
+
+The backward pass is JAX's transpose of the tick loop: every forward tick, then every backward
+tick in reverse (GPipe's schedule, `PipelineSchedule`). Stage ticks outside a micro-batch's
+window (the bubble) compute on a stand-in whose result is never written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
+
+STAGE = "stage"  # the mesh axis the rule table splits `layers` over (`xlaopt.sharding`)
+SCHEDULES = ("gpipe",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    """Which micro-batch each stage runs at each tick, and what that costs. GPipe: micro-batch
+    m runs on stage p at forward tick m + p; the backward ticks mirror the forward ones."""
+    stages: int
+    microbatches: int
+    name: str = "gpipe"
+
+    def __post_init__(self):
+        if self.name not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {self.name!r}; use one of {', '.join(SCHEDULES)}")
+        if self.stages < 1 or self.microbatches < self.stages or self.microbatches % self.stages:
+            raise ValueError(f"{self.microbatches} micro-batches over {self.stages} stages: the count must be a "
+                             f"multiple of the stages (each stage receives an equal share of the output)")
+
+    @property
+    def ticks(self) -> int:
+        """Forward ticks (the backward has as many)."""
+        return self.microbatches + self.stages - 1
+
+    def microbatch_at(self, stage: int, tick: int) -> int | None:
+        """The micro-batch `stage` runs at forward `tick`, None in the bubble."""
+        m = tick - stage
+        return m if 0 <= m < self.microbatches else None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of each device's ticks that runs no micro-batch: (P - 1) / (M + P - 1)."""
+        return (self.stages - 1) / self.ticks
+
+    @property
+    def saved_ticks(self) -> int:
+        """Ticks whose activations a stage holds at the turn from forward to backward: every
+        forward tick, the bubble's included (GPipe holds all M micro-batches; this SPMD loop
+        also saves what its bubble ticks computed)."""
+        return self.ticks
+
+
+def stages_of_mesh() -> int:
+    """The size of `stage` in the mesh installed while tracing (1 where there is none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get(STAGE, 1)
+
+
+def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable):
+    """The layers of `params_L` ([L, ...] leaves) over `carry`, pipelined over the mesh's stages
+    in `microbatches` micro-batches (0: one per stage); `inner(layer_fn, params_k, carry, args)`
+    runs a stage's own k layers. One stage: `inner` over all layers, the same numbers."""
+    stages = stages_of_mesh()
+    if stages == 1:
+        return inner(layer_fn, params_L, carry, args)
+    schedule = PipelineSchedule(stages, microbatches or stages)
+    M = schedule.microbatches
+    rows = {x.shape[0] for x in jax.tree.leaves((carry, args))}
+    if len(rows) != 1:
+        raise ValueError(f"pipeline: every input of the layer stack must lead with the batch's rows; got leading "
+                         f"dimensions {sorted(rows)}")
+    B = rows.pop()
+    row_axes = tuple(a for a in batch_mesh_axes() if a != STAGE)  # what splits rows inside a stage
+    D = math.prod(dict(jax.sharding.get_abstract_mesh().shape)[a] for a in row_axes)
+    if B % (M * D):
+        raise ValueError(f"pipeline: {B} rows do not split into {M} micro-batches over {D} row shards")
+    r = B // (M * D)
+
+    def split(x):  # [B, ...] -> [M, B/M, ...]: micro-batch (s, q) is part q of stage s's rows of each row shard
+        x = jnp.moveaxis(x.reshape(D, stages, M // stages, r, *x.shape[1:]), 0, 2)
+        return x.reshape(M, D * r, *x.shape[4:])
+
+    def merge(y):  # the inverse: [M, B/M, ...] -> [B, ...]
+        y = jnp.moveaxis(y.reshape(stages, M // stages, D, r, *y.shape[2:]), 2, 0)
+        return y.reshape(B, *y.shape[4:])
+
+    shift = [(p, p + 1) for p in range(stages - 1)]
+
+    def local(params_k, carry, args):
+        carry_M, args_M = jax.tree.map(split, carry), jax.tree.map(split, args)
+        stage = jax.lax.axis_index(STAGE)
+        first, last = stage == 0, stage == stages - 1
+        take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+
+        def tick(state_out, t):
+            state, out = state_out
+            x = jax.tree.map(lambda new, handed: jnp.where(first, new, handed), take(carry_M, jnp.minimum(t, M - 1)),
+                             state)
+            y = inner(layer_fn, params_k, x, take(args_M, jnp.clip(t - stage, 0, M - 1)))
+            done = t - (stages - 1)  # the micro-batch the last stage finishes now, if any
+            at, write = jnp.maximum(done, 0), last & (done >= 0)
+            out = jax.tree.map(lambda o, v: o.at[at].set(jnp.where(write, v, o[at])), out, y)
+            return (jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, shift), y), out), None
+
+        empty = (take(jax.tree.map(jnp.zeros_like, carry_M), 0), jax.tree.map(jnp.zeros_like, carry_M))
+        (_, out), _ = jax.lax.scan(tick, empty, jnp.arange(schedule.ticks))
+        # Only the last stage wrote: the sum hands each stage its share of the micro-batches.
+        return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True), out)
+
+    with manual_over(manual_axes() + (STAGE,)), rows_split_over(row_axes):
+        # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
+        # of varying axes. The one input used on a single stage (the stack's input, on stage 0)
+        # gets its cotangent summed over the stages by the transpose, which the tests check.
+        out = jax.shard_map(local, in_specs=(PartitionSpec(STAGE), PartitionSpec(), PartitionSpec()),
+                            out_specs=PartitionSpec(STAGE), axis_names={STAGE}, check_vma=False)(params_L, carry, args)
+    return jax.tree.map(merge, out)

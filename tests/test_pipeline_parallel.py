@@ -1,0 +1,183 @@
+"""Pipeline parallelism (`layer_stack=pipeline` over the mesh axis `stage`): the schedule's
+arithmetic; steps equal to one device's with FSDP, tensor and context parallelism (and the passes
+that rewrite them) inside the stages; the compiled step's stage-to-stage sends and each stage
+holding only its own layers."""
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from xlaopt.analysis import gpu_aot
+from xlaopt.analysis.hlo import collectives
+from xlaopt.analysis.topology import parse_topology
+from xlaopt.compile import compile_program
+from xlaopt.context import PassContext
+from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
+from xlaopt.mesh import MESH_AXES, MeshSpec
+from xlaopt.models.pipeline import PipelineSchedule
+from xlaopt.passes.hierarchical_grads import HierarchicalGrads
+from xlaopt.pipeline import pipeline, run_pipeline
+from xlaopt.program import TrainProgram, TrainSettings
+
+from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, needs_devices
+
+PIPELINE = ExecutionConfig(compute_dtype="float32", layer_stack="pipeline")
+
+
+def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():
+    s = PipelineSchedule(stages=4, microbatches=8)
+    assert s.ticks == 11 and s.bubble_fraction == pytest.approx(3 / 11) and s.saved_ticks == 11
+    runs = {(p, t): s.microbatch_at(p, t) for p in range(4) for t in range(s.ticks)}
+    for p in range(4):  # every stage runs every micro-batch once, in order, idle only in the bubble
+        assert [runs[p, t] for t in range(s.ticks) if runs[p, t] is not None] == list(range(8))
+        assert sum(runs[p, t] is None for t in range(s.ticks)) == 3
+    for m in range(8):  # a micro-batch moves one stage per tick
+        assert [t for p in range(4) for t in range(s.ticks) if runs[p, t] == m] == [m, m + 1, m + 2, m + 3]
+    with pytest.raises(ValueError, match="multiple of the stages"):
+        PipelineSchedule(stages=4, microbatches=6)
+
+
+# References shared with other files' (so their compiles are too): one device, float32, layers
+# scanned: test_verify.py's for cosmos3-tiny, test_ulysses.py's for llama-tiny on 8 x 32 rows.
+CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that must apply)
+    "llama-fsdp-tensor-collective-matmul": (
+        LLAMA_TINY, "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0), dataclasses.replace(PIPELINE, pipeline_microbatches=4),
+        {"collective-matmul": {"enabled": True}}, {"collective-matmul"}),
+    "llama-data-context-ulysses": (LLAMA_TINY, "stage=2,data=2,context=2", BatchShape(8, 32, 0), PIPELINE, None,
+                                   {"ulysses-attention"}),
+    "cosmos3-fsdp-tensor": (COSMOS3_TINY, "stage=2,fsdp=2,tensor=2", None, PIPELINE, None, set()),
+}
+@needs_devices(8)
+@pytest.mark.parametrize("case", CASES)
+def test_pipelined_step_equals_one_device(case):
+    config, mesh, batch, execution, options, applied = CASES[case]
+    settings = TrainSettings(batch=batch) if batch else TrainSettings()
+    program = TrainProgram(config, MeshSpec.parse(mesh), settings=settings, execution=execution)
+    # Equal to one device (its layers scanned), and a second run of the passes changes nothing.
+    laid, records = check_pass(program, options=options)
+    assert {name for name, r in records.items() if r.changed} >= applied | {"mesh-layout"}, records
+
+
+@needs_devices(8)
+def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
+    """llama-tiny on stage=2,fsdp=2,tensor=2, 4 micro-batches: every stacked parameter is split
+    over `stage` on its layers axis, nothing else is; in the compiled step the sends
+    (collective-permutes between the two stages, one pair per group) run once per tick in the
+    forward loop and once in the backward's, and over `stage` alone there is nothing else but
+    the gathers of the stack's inputs, the reduce-scatter of its output and the all-reduces of
+    the gradients of what every stage holds whole (embedding, norms)."""
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2,fsdp=2,tensor=2"),
+                           settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+                           execution=dataclasses.replace(PIPELINE, pipeline_microbatches=4))
+    laid, _ = check_pass(program, reference=False)
+    is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
+    assert all(spec[0] == "stage" for spec in jax.tree.leaves(laid.shardings.state.params["layers"], is_leaf=is_spec))
+    assert all("stage" not in spec for name, tree in laid.shardings.state.params.items() if name != "layers"
+               for spec in jax.tree.leaves(tree, is_leaf=is_spec))
+
+    ticks = PipelineSchedule(2, 4).ticks
+    over_stage = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+                  if c.mesh_axes == ("stage",)]
+    sends = [c for c in over_stage if c.kind == "collective-permute"]
+    assert sorted(c.executions for c in sends) == [ticks, ticks], [(c.name, c.executions) for c in sends]
+    assert all(len(g) == 2 for c in sends for g in c.replica_groups)
+    assert {c.kind for c in over_stage} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}
+
+    # hierarchical-grads' per-layer reduction would run once per tick under a pipeline: it says so.
+    reason = HierarchicalGrads().why_not(laid, PassContext.for_program(laid, parse_topology("h100:2x4")))
+    assert "once per tick" in reason
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_on_the_gpu_target_sends_are_async_and_cudnn_cannot_run_in_a_stage():
+    """Deviceless H100 compile of llama-tiny on stage=2 (dense attention, 4 micro-batches): each
+    stage-to-stage send is an async collective-permute (start and done, the scheduler free to
+    place compute between them), once per tick forward and backward. And the fact behind
+    refusing attention=cudnn with a pipeline, on the installed jax: JAX's cuDNN attention inside
+    a shard_map manual over `stage` fails its custom partitioning at compile."""
+    import jax.numpy as jnp
+
+    from xlaopt.models.cudnn_attention import cudnn_attention
+    from xlaopt.models.masks import Tokens
+
+    topology = parse_topology("h100:1x2")
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2"), target="gpu",
+                           settings=TrainSettings(batch=BatchShape(8, 128, 0)),
+                           execution=ExecutionConfig(layer_stack="pipeline", attention="dense", pipeline_microbatches=4))
+    laid, _ = run_pipeline(program, pipeline())
+    mesh = gpu_aot.gpu_mesh(topology, laid.mesh.sizes, MESH_AXES)
+    text = compile_program(laid, mesh).train_step.as_text()
+    sends = [c for c in collectives(text, laid.mesh.as_dict()) if c.kind == "collective-permute"]
+    assert sorted(c.executions for c in sends) == [PipelineSchedule(2, 4).ticks] * 2
+    assert all(c.is_async and c.mesh_axes == ("stage",) for c in sends)
+
+    with pytest.raises(UserError, match="attention=cudnn cannot run inside the pipeline's stages"):
+        program.replace(execution=dataclasses.replace(program.execution, attention="cudnn"))
+
+    def attend(q, k, v, seg):
+        tokens = Tokens.of(seg, jnp.zeros_like(seg, bool))
+        return cudnn_attention(q, k, v, tokens, tokens)
+
+    qkv = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.bfloat16)
+    stage = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                                  axis_names={"stage"}, check_vma=False))
+    with pytest.raises(Exception, match="custom_partitioner"):
+        stage.lower(qkv, qkv, qkv, jax.ShapeDtypeStruct((2, 128), jnp.int32)).compile()
+
+
+@needs_devices(8)
+def test_a_pipelined_run_resumes_on_a_layout_without_stages(tmp_path):
+    """The parameter tree is every strategy's: a run checkpointed on stage=2,fsdp=2,tensor=2
+    continues on fsdp=4,tensor=2 with its layers scanned, on the losses the pipelined run had."""
+    from xlaopt.cli import main
+    from xlaopt.runtime.verify import TOLERANCES
+
+    def train(name, *args):
+        out = tmp_path / f"{name}.json"
+        assert main(["train", "--model", "llama-tiny", "--set", "num_layers=2", "--no-progress", "--steps", "4",
+                     "--dtype", "float32", "--ckpt", str(tmp_path / "ckpt"), "--json", str(out), *args]) == 0
+        return json.loads(out.read_text())
+
+    first = train("first", "--mesh", "stage=2,fsdp=2,tensor=2", "--exec", "layer_stack=pipeline", "--ckpt-every", "2")
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000004")
+    rest = train("rest", "--mesh", "fsdp=4,tensor=2", "--resume")
+    assert first["mesh"]["stage"] == 2 and rest["mesh"]["stage"] == 1
+    assert rest["checkpoint"]["resumed_from"] == 2 and [s["step"] for s in rest["steps"]] == [2, 3]
+    for got, want in zip(rest["steps"], first["steps"][2:]):
+        assert abs(got["loss"] - want["loss"]) <= TOLERANCES["float32"][0] * abs(want["loss"])
+
+
+# The refused program, built with the check bypassed, compiled in a process of its own.
+_BF16_ON_CPU = """
+from xlaopt.mesh import MeshSpec, request_cpu_devices
+request_cpu_devices(2)
+from xlaopt.compile import compile_program
+from xlaopt.execution import ExecutionConfig
+from xlaopt.models.registry import get_config
+from xlaopt.pipeline import pipeline, run_pipeline
+from xlaopt.program import TrainProgram
+TrainProgram._check_pipeline = lambda self: None
+program = TrainProgram(get_config("llama-tiny", {"num_layers": 2}), MeshSpec.parse("stage=2"),
+                       execution=ExecutionConfig(layer_stack="pipeline", compute_dtype="bfloat16"))
+compile_program(run_pipeline(program, pipeline())[0]).grads
+print("compiled")
+"""
+
+
+@pytest.mark.slow  # a process of its own
+def test_xla_cpu_aborts_compiling_a_bfloat16_pipeline():
+    """The fact behind refusing layer_stack=pipeline in bfloat16 on the cpu target: on the
+    installed jax the process dies (SIGABRT) inside XLA:CPU's compile, with no message."""
+    with pytest.raises(UserError, match="in bfloat16 aborts XLA:CPU's compile"):
+        TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2"), execution=dataclasses.replace(PIPELINE, compute_dtype="bfloat16"))
+    done = subprocess.run([sys.executable, "-c", _BF16_ON_CPU], capture_output=True, text=True, timeout=600,
+                          env=command_env())
+    assert done.returncode == -signal.SIGABRT and "compiled" not in done.stdout, (done.returncode, done.stderr[-2000:])
