@@ -23,6 +23,7 @@ from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MESH_AXES, MeshSpec
 from xlaopt.models.pipeline import PipelineSchedule
+from xlaopt.models.registry import get_config
 from xlaopt.passes.hierarchical_grads import HierarchicalGrads
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
@@ -54,6 +55,8 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
     "llama-data-context-ulysses": (LLAMA_TINY, "stage=2,data=2,context=2", BatchShape(8, 32, 0), PIPELINE, None,
                                    {"ulysses-attention"}),
     "cosmos3-fsdp-tensor": (COSMOS3_TINY, "stage=2,fsdp=2,tensor=2", None, PIPELINE, None, set()),
+    "llama-four-stages-eight-microbatches": (get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
+                                             dataclasses.replace(PIPELINE, pipeline_microbatches=8), None, set()),
 }
 @needs_devices(8)
 @pytest.mark.parametrize("case", CASES)
