@@ -78,10 +78,13 @@ def stages_of_mesh() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(STAGE, 1)
 
 
-def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable):
+def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable,
+                    gather: Callable | None = None):
     """The layers of `params_L` ([L, ...] leaves) over `carry`, pipelined over the mesh's stages
     in `microbatches` micro-batches (0: one per stage); `inner(layer_fn, params_k, carry, args)`
-    runs a stage's own k layers. One stage: `inner` over all layers, the same numbers."""
+    runs a stage's own k layers; `gather(params_k) -> params_k`, where given, lays out a stage's
+    weights once before the ticks (`StackSpec.weights_once`). One stage: `inner` over all layers,
+    the same numbers."""
     stages = stages_of_mesh()
     if stages == 1:
         return inner(layer_fn, params_L, carry, args)
@@ -109,6 +112,8 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
     shift = [(p, p + 1) for p in range(stages - 1)]
 
     def local(params_k, carry, args):
+        if gather is not None:
+            params_k = gather(params_k)
         carry_M, args_M = jax.tree.map(split, carry), jax.tree.map(split, args)
         stage = jax.lax.axis_index(STAGE)
         first, last = stage == 0, stage == stages - 1

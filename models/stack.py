@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 
+from xlaopt.models.layers import constrain
 from xlaopt.models.pipeline import pipeline_layers
 from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.tracing import installed
@@ -58,8 +60,8 @@ def unrolled_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "Stac
     return carry
 
 
-def pipelined_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec"):
-    return pipeline_layers(layer_fn, params_L, carry, args, spec.microbatches, inner=scan_layers)
+def pipelined_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec", gather=None):
+    return pipeline_layers(layer_fn, params_L, carry, args, spec.microbatches, inner=scan_layers, gather=gather)
 
 
 # name -> strategy(layer_fn, params_L, carry, args, spec) -> carry
@@ -71,6 +73,9 @@ class StackSpec:
     strategy: str = "scan"
     remat: str = "none"
     microbatches: int = 0  # pipeline: micro-batches a step's rows are cut into (0: one per stage)
+    # pipeline: each stage's weights made whole along `embed` (FSDP's split) once a step, before
+    # the ticks, instead of gathered layer by layer at every tick; they then stay resident.
+    weights_once: bool = False
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -118,4 +123,17 @@ class LayerStack(nn.Module):
                 params_i = hook(params_i, path)
             return layer.apply({"params": params_i}, c, *a)
 
-        return STRATEGIES[self.spec.strategy](self.spec.wrap(layer_fn), params_L, carry, args, self.spec)
+        run = STRATEGIES[self.spec.strategy]
+        if self.spec.strategy == "pipeline" and self.spec.weights_once:
+            run = functools.partial(run, gather=self._whole_along_embed(layer, carry, args))
+        return run(self.spec.wrap(layer_fn), params_L, carry, args, self.spec)
+
+    @staticmethod
+    def _whole_along_embed(layer: nn.Module, carry, args) -> Callable:
+        """`params_k -> params_k`: a stage's stacked weights constrained to their logical axes
+        with `embed` (what FSDP splits) whole, so the partitioner gathers each once."""
+        boxed = jax.eval_shape(lambda c, a: layer.init(jax.random.key(0), c, *a)["params"], carry, args)
+        is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+        names = jax.tree.map(lambda box: ("layers",) + tuple(None if n == "embed" else n for n in box.names),
+                             boxed, is_leaf=is_box)
+        return lambda params_k: jax.tree.map(constrain, params_k, names)

@@ -49,8 +49,9 @@ def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():
 # References shared with other files' (so their compiles are too): one device, float32, layers
 # scanned: test_verify.py's for cosmos3-tiny, test_ulysses.py's for llama-tiny on 8 x 32 rows.
 CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that must apply)
-    "llama-fsdp-tensor-collective-matmul": (
-        LLAMA_TINY, "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0), dataclasses.replace(PIPELINE, pipeline_microbatches=4),
+    "llama-fsdp-tensor-collective-matmul-weights-once": (
+        LLAMA_TINY, "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_weights_once=True),
         {"collective-matmul": {"enabled": True}}, {"collective-matmul"}),
     "llama-data-context-ulysses": (LLAMA_TINY, "stage=2,data=2,context=2", BatchShape(8, 32, 0), PIPELINE, None,
                                    {"ulysses-attention"}),
@@ -134,6 +135,32 @@ def test_on_the_gpu_target_sends_are_async_and_cudnn_cannot_run_in_a_stage():
                                   axis_names={"stage"}, check_vma=False))
     with pytest.raises(Exception, match="custom_partitioner"):
         stage.lower(qkv, qkv, qkv, jax.ShapeDtypeStruct((2, 128), jnp.int32)).compile()
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_on_the_gpu_target_fsdp_weights_are_gathered_once_a_step_when_asked():
+    """llama-tiny (4 layers) on stage=2,fsdp=4, 4 micro-batches, deviceless H100s: by default XLA
+    gathers each stage's FSDP-split weights, and reduce-scatters their gradients, at every tick
+    (5 a step); with pipeline_weights_once, every FSDP all-gather and reduce-scatter runs once a
+    step and the bytes over `fsdp` fall."""
+    topology = parse_topology("h100:1x8")
+
+    def over_fsdp(once: bool):
+        program = TrainProgram(get_config("llama-tiny"), MeshSpec.parse("stage=2,fsdp=4"), target="gpu",
+                               settings=TrainSettings(batch=BatchShape(16, 128, 0)),
+                               execution=ExecutionConfig(layer_stack="pipeline", attention="dense", pipeline_microbatches=4,
+                                                         pipeline_weights_once=once))
+        laid, _ = run_pipeline(program, pipeline())
+        mesh = gpu_aot.gpu_mesh(topology, laid.mesh.sizes, MESH_AXES, laid.mesh.placement())
+        return [c for c in collectives(compile_program(laid, mesh).train_step.as_text(), laid.mesh.as_dict(), topology)
+                if c.mesh_axes == ("fsdp",)]
+
+    ticks = PipelineSchedule(2, 4).ticks
+    per_tick, once = over_fsdp(False), over_fsdp(True)
+    for kind in ("all-gather", "reduce-scatter"):
+        assert any(c.kind == kind and c.executions == ticks for c in per_tick), [(c.kind, c.executions) for c in per_tick]
+        assert all(c.executions == 1 for c in once if c.kind == kind), [(c.kind, c.executions) for c in once]
+    assert sum(c.total_bytes for c in once) < sum(c.total_bytes for c in per_tick)
 
 
 @needs_devices(8)

@@ -56,6 +56,9 @@ class ExecutionConfig:
     # layer_stack=pipeline: the micro-batches each accumulation step's rows are cut into for the
     # pipeline's stages (0: one per stage; else a multiple of the stages)
     pipeline_microbatches: int = 0
+    # layer_stack=pipeline: each stage's FSDP-split weights gathered once a step (and their
+    # gradients reduce-scattered once) instead of at every tick; costs the stage's whole weights
+    pipeline_weights_once: bool = False
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.
     loss_scale_init: float = 2.0**15
@@ -82,7 +85,7 @@ class ExecutionConfig:
 
     @property
     def stack(self) -> StackSpec:
-        return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches)
+        return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches, self.pipeline_weights_once)
 
     @property
     def attention_spec(self) -> AttentionSpec:
