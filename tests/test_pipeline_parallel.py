@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from xlaopt.analysis import gpu_aot
+from xlaopt.analysis.analyze import analyze, format_analysis
 from xlaopt.analysis.hlo import collectives
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.compile import compile_program
@@ -94,6 +95,12 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     assert sorted(c.executions for c in sends) == [ticks, ticks], [(c.name, c.executions) for c in sends]
     assert all(len(g) == 2 for c in sends for g in c.replica_groups)
     assert {c.kind for c in over_stage} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}
+
+    # analyze states the schedule beside its price.
+    result = analyze(laid, parse_topology("cpu:1x8"))
+    assert result["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 4, "ticks": ticks,
+                                  "bubble_fraction": 1 / ticks, "saved_ticks": ticks}
+    assert "pipeline: gpipe, 2 stages x 4 micro-batches: 5 ticks, the bubble 20.0%" in format_analysis(result)
 
     # hierarchical-grads' per-layer reduction would run once per tick under a pipeline: it says so.
     reason = HierarchicalGrads().why_not(laid, PassContext.for_program(laid, parse_topology("h100:2x4")))

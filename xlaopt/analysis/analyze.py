@@ -117,6 +117,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "fill": work.fill,
         "attention": _attention_json(program, target, work),
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
+        "pipeline": _pipeline_json(program),
         "compute_dtype": dtype,
         "matmuls": program.execution.matmuls,  # "fp8": the projections' (MFU stays against the dtype's peak)
         "fp8_gemms": fp8_gemms(text),  # GEMMs on fp8 operands in the compiled step (`hlo.fp8_gemms`)
@@ -155,6 +156,19 @@ def _attention_json(program: TrainProgram, target: str, work) -> dict:
             "pair_loop_trips_busiest_device": work.loop_trips, "pair_loop_trips_mean_device": work.mean_loop_trips,
             "fused_call_flops_busiest_device": work.custom_call_flops,
             "fused_call_flops_mean_device": work.mean_custom_call_flops}
+
+
+def _pipeline_json(program: TrainProgram) -> dict | None:
+    """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined."""
+    from xlaopt.mesh import STAGE
+    from xlaopt.models.pipeline import PipelineSchedule
+
+    stages = program.mesh.size(STAGE)
+    if program.execution.layer_stack != "pipeline" or stages == 1:
+        return None
+    s = PipelineSchedule(stages, program.execution.pipeline_microbatches or stages)
+    return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "ticks": s.ticks,
+            "bubble_fraction": s.bubble_fraction, "saved_ticks": s.saved_ticks}
 
 
 def _resolve(program: TrainProgram, topology: Topology, target: str | None, batch: PricedBatch | None):
@@ -282,8 +296,13 @@ def format_analysis(result: dict) -> str:
         f"data: {result['data']}; fill {result['fill'] * 100:.1f}% of the slots; attention "
         f"{_attention_used(result)}: (query, key) pairs executed / needed "
         f"{_ratio(result['attention_pairs_executed_over_needed'])}",
-        f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>14}{'exposed':>14}",
     ]
+    if result.get("pipeline"):
+        p = result["pipeline"]
+        lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} micro-batches: "
+                     f"{p['ticks']} ticks, the bubble {p['bubble_fraction'] * 100:.1f}% of each device's ticks; "
+                     f"a stage holds {p['saved_ticks']} ticks' activations for the backward")
+    lines.append(f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>14}{'exposed':>14}")
     for axes, c in sorted(result["comm_by_axis"].items(), key=lambda kv: -kv[1]["time_s"]):
         lines.append(f"{axes:<16}{gib(c['bytes']):>14}{ms(c['time_s']):>14}{ms(c['exposed_s']):>14}")
     lines.append(f"top collectives ({len(result['collectives'])} instructions):")
