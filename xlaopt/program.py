@@ -24,6 +24,7 @@ from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, ExecutionConfig
 from xlaopt.families import family_of
 from xlaopt.mesh import STAGE, MeshSpec
+from xlaopt.models.pipeline import PipelineSchedule
 from xlaopt.sharding import DEFAULT_RULES, Rule, sequence_axes, validate_rules
 
 NONFINITE = ("none", "stop", "skip")
@@ -163,6 +164,14 @@ class TrainProgram:
             raise UserError(f"layer_stack=pipeline: the step's {rows} rows (each accumulation micro-batch's) do not "
                             f"split into {microbatches} pipeline micro-batches over {shards} row shards; use a "
                             f"global batch that is a multiple of {need}, or fewer pipeline_microbatches")
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule | None:
+        """The pipeline's schedule on this mesh; None where the layers are not pipelined over stages."""
+        stages = self.mesh.size(STAGE)
+        if self.execution.layer_stack != "pipeline" or stages == 1:
+            return None
+        return PipelineSchedule(stages, self.execution.pipeline_microbatches or stages)
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)

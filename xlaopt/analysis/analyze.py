@@ -160,13 +160,9 @@ def _attention_json(program: TrainProgram, target: str, work) -> dict:
 
 def _pipeline_json(program: TrainProgram) -> dict | None:
     """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined."""
-    from xlaopt.mesh import STAGE
-    from xlaopt.models.pipeline import PipelineSchedule
-
-    stages = program.mesh.size(STAGE)
-    if program.execution.layer_stack != "pipeline" or stages == 1:
+    s = program.pipeline_schedule
+    if s is None:
         return None
-    s = PipelineSchedule(stages, program.execution.pipeline_microbatches or stages)
     return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "ticks": s.ticks,
             "bubble_fraction": s.bubble_fraction, "saved_ticks": s.saved_ticks}
 
