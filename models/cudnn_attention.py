@@ -27,13 +27,17 @@ deviceless to the fused kernels. The jax-version-specific workarounds are in
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from xlaopt.errors import UserError
+from xlaopt.models.layers import batch_mesh_axes, head_mesh_axes
 from xlaopt.models.masks import Tokens
 
 MAX_SEGMENTS = 64  # samples a row may hold by default (`--exec attention_max_segments=...`)
@@ -127,11 +131,29 @@ def cudnn_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens, 
                     max_segments: int = MAX_SEGMENTS) -> jax.Array:
     """cuDNN's fused attention, each sample its own segment (see the module docstring); `block`
     is unused. A call with as many keys as queries is causal (reasoner, decoder); one with more
-    keys is the generator's, its queries the last L keys' tokens. No shard_map: JAX's cuDNN
-    call has its own partitioning rule, which splits the batch (and the [B, M] segment arrays
-    with it: their starts are per row) and rescales the offsets to each device's shard."""
+    keys is the generator's, its queries the last L keys' tokens. Under an automatic mesh, no
+    shard_map: JAX's cuDNN call has its own partitioning rule, which splits the batch (and the
+    [B, M] segment arrays with it: their starts are per row) and rescales the offsets to each
+    device's shard. Inside a shard_map manual over some axes (a pipeline's stages, Ulysses'
+    context) that rule fails on jax 0.10.2 (`custom_partitioner` asserts on the partly manual
+    sharding), so the call runs in a shard_map manual over every other axis too: rows over the
+    axes that split them, heads over those that split heads, nothing left to partition."""
     del block
-    return _local(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, max_segments)
+    call = functools.partial(_local, max_segments=max_segments)
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set() if mesh.empty else set(mesh.manual_axes)
+    rest = tuple(a for a in ([] if mesh.empty else mesh.axis_names) if a not in manual)
+    if not manual or not rest:
+        return call(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
+    sizes = dict(mesh.shape)
+    rows = tuple(a for a in batch_mesh_axes() if a in rest)
+    heads = tuple(a for a in head_mesh_axes() if a in rest)
+    ways = math.prod(sizes[a] for a in heads)
+    if q_BLHK.shape[2] % ways or k_BSNK.shape[2] % ways:
+        heads = ()  # every device attends all heads of its rows (a layout that cannot split them)
+    qkv, row = PartitionSpec(rows or None, None, heads or None, None), PartitionSpec(rows or None)
+    return jax.shard_map(call, in_specs=(qkv, qkv, qkv, row, row), out_specs=qkv, axis_names=set(rest),
+                         check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
 
 
 # --- host side: the batch's rows against the budget, and the pairs cuDNN computes -------------

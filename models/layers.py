@@ -70,6 +70,21 @@ def rows_split_over(axes: tuple[str, ...]):
     return installed(_BATCH_MESH_AXES, tuple(axes))
 
 
+# The mesh axes the rule table splits attention heads over (`act_heads`), installed beside the
+# rows': a kernel run per device in a shard_map keeps the heads where the layout put them.
+_HEAD_MESH_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("xlaopt_head_mesh_axes",
+                                                                                  default=())
+
+
+def head_mesh_axes() -> tuple[str, ...]:
+    return _HEAD_MESH_AXES.get()
+
+
+def heads_split_over(axes: tuple[str, ...]):
+    """Context manager naming the mesh axes that split attention heads while a model is traced."""
+    return installed(_HEAD_MESH_AXES, tuple(axes))
+
+
 # The mesh axes a gradient rewrite has made manual (a shard_map over them wraps the whole loss):
 # each device then sees only its own rows, so a token mean's count is summed over these axes
 # (each device's share of the loss is its own tokens' sum over the global count, and the shares

@@ -27,6 +27,7 @@ class LayoutPlan(OffUnlessEnabled):
     data: str = ""  # or from this sample store
     remats: tuple[str, ...] = ()  # the recomputation policies planned over; (): the planner's (`space.REMATS`)
     precisions: tuple[str, ...] = ()  # `space.PRECISIONS` names planned over; (): every one the device runs
+    stages: tuple[int, ...] = ()  # pipeline stage counts planned over; (): whole nodes a stage (`space.pipeline_stages`)
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
         if ctx.topology is None:
@@ -45,7 +46,8 @@ class LayoutPlan(OffUnlessEnabled):
         from xlaopt.planning.report import plan_json
 
         kw = (({"remats": self.remats} if self.remats else {}) | ({"precisions": self.precisions} if self.precisions
-                                                                  else {}) | ({"prepare": prepare} if prepare else {}))
+                                                                  else {}) | ({"prepare": prepare} if prepare else {})
+              | ({"stages": self.stages} if self.stages else {}))
         result = plan(program, ctx.topology, batch, top=self.top, exhaustive=self.exhaustive, **kw)
         report = dict(plan_json(result), data=batch.source)
         best = result.best.candidate

@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from xlaopt.compile import CompiledProgram
+from xlaopt.compile import CompiledProgram, compile_program
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.families import family_of
-from xlaopt.mesh import MeshSpec
+from xlaopt.mesh import MeshSpec, make_mesh
 from xlaopt.models import cudnn_jax_patches
 from xlaopt.models.attention import attention, dense_attention
 from xlaopt.models.cudnn_attention import (
@@ -33,6 +33,8 @@ from xlaopt.models.cudnn_attention import (
 )
 from xlaopt.models.masks import Tokens
 from xlaopt.program import TrainProgram, TrainSettings
+
+from conftest import needs_devices
 
 CUDNN = ExecutionConfig(attention="cudnn", attention_max_segments=8)
 
@@ -57,11 +59,18 @@ def test_the_cpu_target_is_refused(tiny_config):
         TrainProgram(tiny_config, execution=CUDNN)
 
 
-def test_a_split_sequence_is_refused(tiny_config):
+def test_a_split_sequence_runs_only_through_ulysses(tiny_config):
     """Found on jax 0.10.2: its cuDNN attention partitioner raises "Sharding on sequence dim is not
-    allowed" deep in the compile; the program says so up front."""
-    with pytest.raises(UserError, match=r"attention=cudnn cannot split a row's sequence .* over context"):
-        TrainProgram(tiny_config, MeshSpec.parse("context=2,fsdp=2"), execution=CUDNN, target="gpu")
+    allowed" deep in the compile. A context split reaches cuDNN only through Ulysses: where the
+    key-value heads cannot split over context the program says so up front, and a program
+    without the Ulysses transform is refused before it compiles."""
+    with pytest.raises(UserError, match=r"attention=cudnn cannot split a row's sequence .* heads of each tensor "
+                                        r"rank to split over context=2; use a context size that divides 1"):
+        TrainProgram(tiny_config, MeshSpec.parse("context=2,tensor=4"), execution=CUDNN, target="gpu")
+    program = TrainProgram(tiny_config, MeshSpec.parse("context=2,fsdp=2"), execution=CUDNN, target="gpu")
+    with pytest.raises(UserError, match=r"runs only through Ulysses attention; compile the program after the "
+                                        r"ulysses-attention pass"):
+        compile_program(program)
     TrainProgram(tiny_config, MeshSpec.parse("fsdp=4"), execution=CUDNN, target="gpu")  # batch-split is fine
 
 
@@ -228,3 +237,37 @@ def test_flops_are_per_device_heads_under_tensor_parallelism(tiny_config):
                            settings=TrainSettings(batch=BatchShape(2, 48, 96)), execution=CUDNN, target="gpu")
     assert _heads_per_device(program) == tiny_config.num_heads  # no layout yet: nothing split
     assert _heads_per_device(run_pipeline(program, pipeline())[0]) == tiny_config.num_heads // 2
+
+
+@needs_devices(8)
+def test_inside_a_partly_manual_shard_map_the_call_runs_manual_over_every_axis(tiny_config, synthetic_batch,
+                                                                             monkeypatch):
+    """In a shard_map manual over `stage` (a pipeline's stages), the cuDNN call runs per device
+    over the other axes too, rows and heads where the layout splits them: with the kernel
+    replaced by attention over the same segments, every call's output equals the one-device
+    call's, so the specs hand each device whole rows, its heads and its rows' segments."""
+    from jax.sharding import PartitionSpec
+
+    from xlaopt.models import cudnn_attention as lib
+    from xlaopt.models.layers import heads_split_over, rows_split_over
+
+    def kernel(q, k, v, segments, causal):
+        return attention(q, k, v, _segment_mask(segments, q.shape[1], k.shape[1], causal))
+
+    monkeypatch.setattr(lib, "_fused", kernel)
+    mesh = make_mesh(MeshSpec.parse("stage=2,data=2,tensor=2"))
+    H, N, K = tiny_config.num_heads, tiny_config.num_kv_heads, tiny_config.head_dim
+    rng = np.random.default_rng(1)
+    for q_tok, k_tok in family_of(tiny_config).attention_calls(synthetic_batch):
+        (B, L), S = q_tok.segment_BL.shape, k_tok.segment_BL.shape[1]
+        q = jnp.asarray(rng.standard_normal((B, L, H, K)), jnp.float32)
+        k, v = (jnp.asarray(rng.standard_normal((B, S, N, K)), jnp.float32) for _ in range(2))
+        whole = lib.cudnn_attention(q, k, v, q_tok, k_tok, max_segments=8)
+        staged = jax.shard_map(lambda *a: lib.cudnn_attention(*a, max_segments=8), mesh=mesh,
+                               in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names={"stage"},
+                               check_vma=False)
+        with jax.set_mesh(mesh), rows_split_over(("data",)), heads_split_over(("tensor",)):
+            text = jax.jit(staged).lower(q, k, v, q_tok, k_tok).as_text()
+            out = jax.jit(staged)(q, k, v, q_tok, k_tok)
+        assert text.count("sdy.manual_computation") == 2  # stage, then every other axis
+        np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-5)

@@ -34,6 +34,33 @@ from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, needs_de
 PIPELINE = ExecutionConfig(compute_dtype="float32", layer_stack="pipeline")
 
 
+def test_the_analytic_price_follows_the_spmd_loop():
+    """The planner's price of xlaopt's pipeline (`Software(pipeline="spmd")`), llama3-8b on two
+    stages of 8 H100: the bubble is P - 1 of the M + P - 1 ticks of one micro-batch's stage time;
+    the head runs outside the stages (off the bubble, 1/P of every micro-batch's head on each
+    device); a send follows every tick; with weights_once FSDP gathers a stage once a step, so
+    its price does not grow with the micro-batches."""
+    from xlaopt.analysis import analytic, costmodel as cm
+    from xlaopt.planning.shapes import analytic_shape
+
+    shape, h100 = analytic_shape(get_config("llama3-8b")), parse_topology("h100:2x8")
+    P, M = 2, 4
+    layout = analytic.Parallelism(dp=1, fsdp=8, tp=1, pp=P, cp=1, global_batch=32, seq_len=4096, micro_batch=1)
+    assert layout.micro_batches == M
+    price = lambda layout=layout, **kw: analytic.price_step(  # noqa: E731
+        shape, layout, h100, analytic.Software(param_gather_bytes=4, grad_reduce_bytes=4, **kw), cm.FITTED)
+    spmd, megatron = price(pipeline="spmd"), price(pipeline="megatron")
+    head_s = (megatron.pipeline_bubble_s - spmd.pipeline_bubble_s) / (P - 1)  # Megatron's bubble holds the head
+    assert head_s > 0 and megatron.compute_s - spmd.compute_s == pytest.approx(M * head_s * (1 - 1 / P))
+    layers_s = spmd.compute_s - M * head_s / P + spmd.tp_exposed_s + spmd.cp_exposed_s + spmd.fsdp_exposed_s
+    assert spmd.pipeline_bubble_s == pytest.approx((P - 1) / M * layers_s)
+    assert spmd.pp_send_s / megatron.pp_send_s == pytest.approx((M + P - 1) / M)
+    eight = dataclasses.replace(layout, micro_batch=layout.micro_batch / 2)  # 8 micro-batches of half the rows
+    once = [price(lo, pipeline="spmd", pipeline_weights_once=True).fsdp_exposed_s for lo in (layout, eight)]
+    per_tick = [price(lo, pipeline="spmd").fsdp_exposed_s for lo in (layout, eight)]
+    assert once[0] == once[1] > 0 and per_tick[1] > per_tick[0]
+
+
 def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():
     s = PipelineSchedule(stages=4, microbatches=8)
     assert s.ticks == 11 and s.bubble_fraction == pytest.approx(3 / 11) and s.saved_ticks == 11
@@ -108,35 +135,42 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
-def test_on_the_gpu_target_sends_are_async_and_cudnn_cannot_run_in_a_stage():
-    """Deviceless H100 compile of llama-tiny on stage=2 (dense attention, 4 micro-batches): each
+def test_on_the_gpu_target_sends_are_async_and_cudnn_runs_in_a_stage():
+    """Deviceless H100 compile of llama-tiny on stage=2,tensor=2 (4 micro-batches): each
     stage-to-stage send is an async collective-permute (start and done, the scheduler free to
-    place compute between them), once per tick forward and backward. And the fact behind
-    refusing attention=cudnn with a pipeline, on the installed jax: JAX's cuDNN attention inside
-    a shard_map manual over `stage` fails its custom partitioning at compile."""
+    place compute between them), once per tick forward and backward. With attention=cudnn the
+    stages run cuDNN's fused kernels: JAX's cuDNN call in a shard_map manual over `stage` alone
+    fails its custom partitioning on the installed jax (checked here), and runs once the call is
+    manual over every axis (`cudnn_attention`), forward and backward."""
     import jax.numpy as jnp
 
-    from xlaopt.models.cudnn_attention import cudnn_attention
+    from xlaopt.models.cudnn_attention import BACKWARD_TARGET, FORWARD_TARGET, _local
     from xlaopt.models.masks import Tokens
 
-    topology = parse_topology("h100:1x2")
-    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2"), target="gpu",
-                           settings=TrainSettings(batch=BatchShape(8, 128, 0)),
-                           execution=ExecutionConfig(layer_stack="pipeline", attention="dense", pipeline_microbatches=4))
-    laid, _ = run_pipeline(program, pipeline())
-    mesh = gpu_aot.gpu_mesh(topology, laid.mesh.sizes, MESH_AXES)
-    text = compile_program(laid, mesh).train_step.as_text()
+    topology = parse_topology("h100:1x4")
+
+    def compiled(attention: str) -> tuple[str, TrainProgram]:
+        program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2,tensor=2"), target="gpu",
+                               settings=TrainSettings(batch=BatchShape(8, 128, 0)),
+                               execution=ExecutionConfig(layer_stack="pipeline", attention=attention,
+                                                         pipeline_microbatches=4))
+        laid, _ = run_pipeline(program, pipeline())
+        mesh = gpu_aot.gpu_mesh(topology, laid.mesh.sizes, MESH_AXES, laid.mesh.placement())
+        return compile_program(laid, mesh).train_step.as_text(), laid
+
+    text, laid = compiled("dense")
     sends = [c for c in collectives(text, laid.mesh.as_dict()) if c.kind == "collective-permute"]
     assert sorted(c.executions for c in sends) == [PipelineSchedule(2, 4).ticks] * 2
     assert all(c.is_async and c.mesh_axes == ("stage",) for c in sends)
 
-    with pytest.raises(UserError, match="attention=cudnn cannot run inside the pipeline's stages"):
-        program.replace(execution=dataclasses.replace(program.execution, attention="cudnn"))
+    text, _ = compiled("cudnn")
+    assert f'custom_call_target="{FORWARD_TARGET}"' in text and f'custom_call_target="{BACKWARD_TARGET}"' in text
 
-    def attend(q, k, v, seg):
+    def attend(q, k, v, seg):  # the cuDNN call as it was: partly manual
         tokens = Tokens.of(seg, jnp.zeros_like(seg, bool))
-        return cudnn_attention(q, k, v, tokens, tokens)
+        return _local(q, k, v, tokens, tokens, 4)
 
+    mesh = gpu_aot.gpu_mesh(topology, MeshSpec.parse("stage=2,tensor=2").sizes, MESH_AXES)
     qkv = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.bfloat16)
     stage = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
                                   axis_names={"stage"}, check_vma=False))

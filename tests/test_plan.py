@@ -30,9 +30,33 @@ def test_space_holds_dp_fsdp_hsdp_and_says_why_the_rest_cannot_be_built():
     ok, rejected = enumerate_space(config, BatchShape(12, 32, 0), 16, 8, "dense", ("bfloat16",))
     assert {c.data for c in ok} <= {1, 2, 4}
     assert "the global batch of 12 rows does not split over 8 data ranks" in {r.reason for r in rejected}
-    # cuDNN attention cannot split a row: context parallelism is refused with the reason.
-    _, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
-    assert any("cuDNN attention refuses" in r.reason and r.candidate.cp > 1 for r in rejected)
+    # cuDNN attention splits no row: context parallelism reaches it through Ulysses, where each
+    # tensor rank's kv heads split over the context ranks, and is refused with the reason elsewhere.
+    ok, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
+    assert {"DP+CP2", "DP+CP4", "DP+TP2+CP2"} <= {c.kind for c in ok}
+    assert any(r.reason == "context parallel reaches cuDNN's attention only through Ulysses, which needs the 2 "
+               "key-value heads of each tensor rank to split over context=4" for r in rejected)
+
+
+def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
+    """Stages are the outermost mesh axis; a pipeline's micro-batches are multiples of its
+    stages that split each data rank's rows; FSDP candidates come with each stage's weights
+    gathered per tick and once a step; what cannot be built says why."""
+    config = get_config("llama-tiny")  # 4 layers
+    ok, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",), stages=(1, 2, 8))
+    staged = [c for c in ok if c.pp > 1]
+    assert {c.pp for c in staged} == {2} and all(c.num_devices == 16 for c in staged)
+    assert all(c.micro_batches % c.pp == 0 and (16 // c.data) % c.micro_batches == 0 for c in staged)
+    assert {c.micro_batches for c in staged if c.data == 8} == {2}  # 2 rows a data rank
+    assert {c.weights_once for c in staged if c.fsdp > 1} == {False, True}
+    assert not any(c.weights_once for c in staged if c.fsdp == 1)
+    assert staged[0].mesh.size("stage") == 2 and "+PP2" in staged[0].kind
+    reasons = {r.reason for r in rejected}
+    assert "8 pipeline stages do not divide the model's 4 layers (2, 4 do)" in reasons
+    _, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "dense", ("bfloat16",), stages=(2,),
+                                  target="cpu")
+    assert {r.reason for r in rejected if r.candidate.fsdp == 8} == {
+        "a pipeline in bfloat16 aborts XLA:CPU's compile on jax 0.10.2 (the GPU target builds it)"}
 
 
 def test_cosmos3_analytic_shape_counts_the_model_flops():

@@ -106,3 +106,28 @@ def test_on_the_gpu_target_it_is_faster_and_every_all_to_all_holds_compute(tmp_p
     assert priced["ulysses"]["step_time_s"] < priced["xla"]["step_time_s"]
     assert priced["ulysses"]["exposed_comm_s"] < priced["xla"]["exposed_comm_s"] / 4
     assert windows["ulysses"] and min(windows["ulysses"]) >= 1, windows["ulysses"]
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=2,context=2", "stage=2,fsdp=2,context=2"])
+def test_on_the_gpu_target_context_parallel_cosmos3_runs_cudnn_through_ulysses(mesh):
+    """cosmos3-tiny with attention=cudnn on a context split, deviceless H100s: the pass pipeline
+    adds Ulysses, every attention is cuDNN's fused kernel on whole rows (forward and backward; no
+    segment loop). With pipeline stages too, the cuDNN call sits in shard_maps manual over stage,
+    then context, then the rest."""
+    pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
+    from xlaopt.analysis import gpu_aot
+    from xlaopt.mesh import MESH_AXES
+    from xlaopt.models.cudnn_attention import BACKWARD_TARGET, FORWARD_TARGET
+    from xlaopt.models.segment_attention import loop_tag
+
+    topology = parse_topology("h100:1x8")
+    execution = ExecutionConfig(attention="cudnn", attention_max_segments=8,
+                                layer_stack="pipeline" if "stage" in mesh else "scan")
+    program = TrainProgram(COSMOS3_TINY, MeshSpec.parse(mesh), target="gpu",
+                           settings=TrainSettings(batch=BatchShape(4, 64, 128)), execution=execution)
+    laid, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, topology))
+    assert [t.name for t in laid.grad_transforms] == ["ulysses-attention"]
+    devices = gpu_aot.gpu_mesh(topology, laid.mesh.sizes, MESH_AXES, laid.mesh.placement())
+    text = compile_program(laid, devices).train_step.as_text()
+    assert f'custom_call_target="{FORWARD_TARGET}"' in text and f'custom_call_target="{BACKWARD_TARGET}"' in text
+    assert loop_tag(64, 64).split("_L")[0] not in text

@@ -28,10 +28,11 @@ from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import make_mesh
 from xlaopt.models.cudnn_attention import check_rows
-from xlaopt.models.layers import activation_constraint, manual_axes, rows_split_over
+from xlaopt.models.layers import activation_constraint, heads_split_over, manual_axes, rows_split_over
 from xlaopt.program import TrainProgram
-from xlaopt.sharding import batch_axes, logical_to_spec
+from xlaopt.sharding import batch_axes, head_axes, logical_to_spec
 from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn
+from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform
 
 # Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
 _SCALE_PREFIX = "loss_scale/"
@@ -192,6 +193,7 @@ COMPILED_KEPT = 32
 def compile_program(program: TrainProgram, mesh: jax.sharding.Mesh | None = None) -> CompiledProgram:
     """The program's `CompiledProgram` on `mesh` (default: `make_mesh(program.mesh)` over this
     process's devices), shared with every earlier call for an equal program and mesh."""
+    _check_attention(program)
     key = (program, mesh if mesh is not None else tuple(d.id for d in jax.devices()))
     compiled = _COMPILED.get(key)
     if compiled is None:
@@ -218,7 +220,18 @@ def _tracing_context(program: TrainProgram, mesh):
 
             stack.enter_context(activation_constraint(constrain))
         stack.enter_context(rows_split_over(batch_axes(program)))
+        stack.enter_context(heads_split_over(head_axes(program)))
         yield
+
+
+def _check_attention(program: TrainProgram) -> None:
+    """cuDNN's attention on a context-split sequence runs only through Ulysses
+    (`TrainProgram._check_cudnn_sequence`)."""
+    if (program.execution.attention == "cudnn" and program.sequence_axes
+            and not any(isinstance(t, UlyssesAttentionTransform) for t in program.grad_transforms)):
+        raise UserError(f"execution setting attention=cudnn on a sequence split over "
+                        f"{','.join(program.sequence_axes)} runs only through Ulysses attention; compile the "
+                        f"program after the ulysses-attention pass (xlaopt's pass pipeline runs it)")
 
 
 def _check_transforms_run(program: TrainProgram, mesh) -> None:

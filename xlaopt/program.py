@@ -112,12 +112,8 @@ class TrainProgram:
             raise UserError(f"execution setting attention=cudnn is JAX's cuDNN fused attention, which runs on NVIDIA "
                             f"GPUs only; the {self.target} target needs attention=segment (the same pairs skipped) "
                             f"or dense, or compile for --target gpu")
-        seq_axes = self.sequence_axes
-        if self.execution.attention == "cudnn" and seq_axes:
-            # jax 0.10.2's cuDNN attention partitioner: "Sharding on sequence dim is not allowed."
-            raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
-                            f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
-                            f"a sharded sequence; drop that axis, or use attention=segment")
+        if self.execution.attention == "cudnn":
+            self._check_cudnn_sequence()
         self.execution.check_batch(self.settings.batch.batch_size)
         self._check_pipeline()
         for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
@@ -126,6 +122,23 @@ class TrainProgram:
                 if not isinstance(t, base):
                     raise TypeError(f"{kind} transform {t!r} is not a {base.__name__} (a frozen dataclass "
                                     f"compared by value)")
+
+    def _check_cudnn_sequence(self) -> None:
+        """jax 0.10.2's cuDNN attention partitioner refuses a split sequence ("Sharding on sequence
+        dim is not allowed"): a context-split row reaches it only through Ulysses (whole rows, a
+        share of the heads; the ulysses-attention pass), which needs whole kv heads on each
+        context rank. That the transform is there is checked when the program compiles."""
+        seq_axes = self.sequence_axes
+        if not seq_axes:
+            return
+        context, tensor = self.mesh.size("context"), self.mesh.size("tensor")
+        kv_heads = getattr(self.model, "num_kv_heads", 0)
+        if seq_axes != ("context",) or (kv_heads // tensor) % context:
+            raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
+                            f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
+                            f"a sharded sequence, and Ulysses (whole rows, heads split over context) needs the "
+                            f"{kv_heads // tensor} key-value heads of each tensor rank to split over context="
+                            f"{context}; use a context size that divides {kv_heads // tensor}, or attention=segment")
 
     def _check_pipeline(self) -> None:
         stages, execution = self.mesh.size(STAGE), self.execution
@@ -137,12 +150,6 @@ class TrainProgram:
         if not family_of(self.model).has_layer_stack:
             raise UserError(f"execution setting layer_stack=pipeline: {type(self.model).__name__} has no stack of "
                             f"layers to cut into stages; use layer_stack=scan")
-        if execution.attention == "cudnn" and stages > 1:
-            # Checked in tests/test_pipeline_parallel.py: JAX's cuDNN call inside a shard_map manual
-            # over some axes fails its custom partitioning (an AssertionError in _to_jax_sharded_shape).
-            raise UserError(f"execution setting attention=cudnn cannot run inside the pipeline's stages on jax "
-                            f"{jax.__version__} (cuDNN's custom partitioning fails inside a shard_map over "
-                            f"{STAGE}); use --exec attention=dense with layer_stack=pipeline")
         if execution.compute_dtype == "bfloat16" and self.target == "cpu" and stages > 1:
             # Checked in tests/test_pipeline_parallel.py: the process aborts inside XLA:CPU's compile.
             raise UserError(f"layer_stack=pipeline in bfloat16 aborts XLA:CPU's compile on jax {jax.__version__} "

@@ -146,6 +146,14 @@ def batch_axes(program) -> tuple[str, ...]:
     return mesh_axes_of("batch", program.settings.batch.batch_size, program.rules, program.mesh, "the batch")
 
 
+def head_axes(program) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) the program's layout splits attention heads over."""
+    if program.shardings is None:
+        return ()
+    return tuple(a for logical, axes in program.rules if logical == "act_heads" for a in axes
+                 if program.mesh.size(a) > 1)
+
+
 # Attentions whose work follows each row's samples: rows are balanced over the devices for them.
 _ROW_COST_ATTENTION = ("segment", "cudnn")
 

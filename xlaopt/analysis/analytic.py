@@ -24,8 +24,16 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   layer's matmuls; without sequence parallel, 2 all-reduces each way;
 - context parallel: a ring passes K and V (cp - 1) times per layer forward, twice that backward
   and again wherever the attention forward is recomputed, overlapped with the attention kernel;
+  or Ulysses (`Software.context_parallel="ulysses"`): all-to-alls turn q, k, v to head-split
+  whole rows and the output back, forward, again where the attention is recomputed, and their
+  gradients backward, each priced as a reduce-scatter of its bytes (each rank keeps 1/cp) and
+  overlapped with the attention of the other head groups;
 - pipeline: (m + (pp - 1) / v) micro-batch times of the slowest stage (v virtual stages per rank),
-  plus one activation send forward and one gradient send backward per micro-batch exposed;
+  plus one activation send forward and one gradient send backward per micro-batch exposed
+  (Megatron's 1F1B, the head and loss on the last stage); xlaopt's SPMD loop
+  (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs m + pp - 1 ticks each way with a
+  send after every tick, and the embedding, head and loss outside the stages on each stage's
+  share of the rows, so they are off the pipeline's critical path and out of its bubble;
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound.
 
 Ranks are laid out tensor innermost, then context, then data, then pipeline (Megatron's order),
@@ -36,9 +44,9 @@ one node and its replica group spans the network.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from xlaopt.analysis import costmodel as cm
+from xlaopt.analysis.decoder_shape import DecoderShape
 from xlaopt.analysis.topology import Topology
 from xlaopt.models import remat
 
@@ -49,98 +57,6 @@ _ADAMW_BYTES_PER_PARAM = 30
 # Cross-entropy over the logits (fp32): write logits, read them for the softmax, write and read
 # the gradient: ~4 passes of 4 bytes.
 _LOSS_BYTES_PER_LOGIT = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-    """A decoder LLM's shape: the analytic twin of `xlaopt.models.decoder.DecoderConfig`
-    (same FLOP count; a test checks it), without JAX."""
-    layers: int
-    d_model: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT, MPT)
-    tied_embeddings: bool = False
-    kv_channels: int | None = None  # the head dimension where it is not d_model / heads (Qwen3-32B: 128, not 80)
-
-    def __post_init__(self):
-        if self.mlp not in ("swiglu", "gelu"):
-            raise ValueError(f"mlp={self.mlp!r}; use 'swiglu' or 'gelu'")
-        if (self.kv_channels is None and self.d_model % self.heads) or self.heads % self.kv_heads:
-            raise ValueError(f"d_model={self.d_model}, heads={self.heads}, kv_heads={self.kv_heads} do not divide")
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.d_model // self.heads
-
-    def layer_matmuls(self) -> tuple[int, ...]:
-        """Weight sizes of a layer's linear layers, in call order: q, k, v, o, then the MLP
-        (gate, up, down for SwiGLU; up, down for GELU)."""
-        d, dh = self.d_model, self.head_dim
-        attn = (d * self.heads * dh, d * self.kv_heads * dh, d * self.kv_heads * dh, self.heads * dh * d)
-        mlp = (d * self.ffn,) * (3 if self.mlp == "swiglu" else 2)
-        return attn + mlp
-
-    @functools.cached_property
-    def layer_params(self) -> int:
-        return sum(self.layer_matmuls())  # norms are negligible
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params
-
-    def linear_forward_flops(self, tokens: float) -> float:
-        """One layer's linear matmuls, forward."""
-        return 2.0 * tokens * self.layer_params
-
-    def attention_forward_flops(self, sequences: float, seq_len: int) -> float:
-        """One layer's causal attention (QK^T and PV, half the square), forward."""
-        return 2.0 * sequences * self.heads * self.head_dim * seq_len**2
-
-    def head_forward_flops(self, tokens: float) -> float:
-        return 2.0 * tokens * self.d_model * self.vocab
-
-    def model_flops_per_token(self, seq_len: int) -> float:
-        """Training model FLOPs per token: 3x forward, causal attention, no recomputation."""
-        return 3.0 * (self.layers * (self.linear_forward_flops(1) + self.attention_forward_flops(1, seq_len) / seq_len)
-                      + self.head_forward_flops(1))
-
-    def elementwise_forward_bytes_per_token(self, fused: bool) -> float:
-        """HBM traffic of one layer's non-matmul ops, forward, per token (bf16 activations): the
-        residual stream's (`residual_stream_bytes_per_token`) and the rest.
-
-        Fused (XLA, torch.compile, Transformer Engine): one pass per op group: rotary on q and k
-        (read + write), the MLP activation (SwiGLU: read 2F write F; GELU: read F write F).
-        Eager PyTorch: each op its own kernel: rotary through complex fp32 views ~20 bytes per
-        element instead of 4, SwiGLU as silu then multiply (5F elements instead of 3F)."""
-        qk = (self.heads + self.kv_heads) * self.head_dim
-        act_fused = 3 if self.mlp == "swiglu" else 2
-        rest = (_BF16_BYTES * (2 * qk + act_fused * self.ffn) if fused
-                else 20 * qk + _BF16_BYTES * (act_fused + 2) * self.ffn)
-        return self.residual_stream_bytes_per_token(fused) + rest
-
-    def residual_stream_bytes_per_token(self, fused: bool) -> float:
-        """The part of `elementwise_forward_bytes_per_token` on the residual stream (d wide): 2
-        RMSNorms (read + write d) and 2 residual adds (read 2d, write d). Tensor parallelism
-        splits it only with sequence parallelism; without, every tensor rank runs it whole.
-        Eager PyTorch runs an RMSNorm as 6 kernels with an fp32 round trip (~36 bytes per element
-        instead of 4)."""
-        d = self.d_model
-        return _BF16_BYTES * (2 * 2 * d + 2 * 3 * d) if fused else 2 * 36 * d + 2 * 3 * d * _BF16_BYTES
-
-    def fp8_cast_bytes_per_token(self) -> float:
-        """Casting a layer's linear inputs to fp8 forward (read 2 B, write 1 B) and its output
-        gradients backward, plus the transposed fp8 copies the weight gradients need."""
-        d, dh = self.d_model, self.head_dim
-        inputs = d + self.heads * dh + d + self.ffn  # qkv, out, MLP up (and gate), MLP down
-        outputs = (self.heads + 2 * self.kv_heads) * dh + d + (2 if self.mlp == "swiglu" else 1) * self.ffn + d
-        return 3 * inputs + 3 * outputs + 2 * (inputs + outputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +106,13 @@ class Software:
     param_gather_bytes: int = 2  # bytes per parameter all-gathered (FSDP / distributed optimizer)
     grad_reduce_bytes: int = 2  # bytes per gradient element reduced
     fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
+    # How pipeline stages run (pp > 1): "megatron" (1F1B or interleaved, the embedding on the
+    # first stage and the head and loss on the last) or "spmd" (xlaopt's loop, module docstring).
+    pipeline: str = "megatron"
+    pipeline_weights_once: bool = False  # spmd with FSDP: each stage's weights gathered once a step
+    context_parallel: str = "ring"  # "ring" (K/V passed round the context ranks) or "ulysses" (all-to-all)
+
+    PIPELINES = ("megatron", "spmd")
 
     # "selective-op": TorchTitan's per-op SAC; "selective-megatron": Megatron's selective
     # recomputation (Korthikanti et al. 2022), the core attention only; "dots": JAX's
@@ -199,6 +122,10 @@ class Software:
     RECOMPUTE = ("none", "full", "selective-op", "selective-megatron", "dots")
 
     def __post_init__(self):
+        if self.context_parallel not in ("ring", "ulysses"):
+            raise ValueError(f"context_parallel={self.context_parallel!r}; use 'ring' or 'ulysses'")
+        if self.pipeline not in self.PIPELINES:
+            raise ValueError(f"pipeline={self.pipeline!r}; use one of {self.PIPELINES}")
         if not priced_recompute(self.recompute):
             names = (*self.RECOMPUTE, *(n for n in remat.REMAT_POLICIES if priced_recompute(n)))
             raise ValueError(f"recompute={self.recompute!r}; use one of {names}")
@@ -332,11 +259,17 @@ def _tp_exposed(layer: _Layer, layout: Parallelism, topology: Topology, software
     return tp_fwd + tp_bwd
 
 
-def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, eff: cm.Efficiency) -> float:
-    """The context-parallel K/V ring of one layer and micro-batch, behind its attention."""
+def _cp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
+                eff: cm.Efficiency) -> float:
+    """The context-parallel K/V ring (or Ulysses' all-to-alls) of one layer and micro-batch, behind
+    its attention."""
     tp, cp = layout.tp, layout.cp
     cp_span = cm.group_span(cp, tp, topology.devices_per_node)
     kv_bytes = layer.tokens * 2 * shape.kv_heads * shape.head_dim * _BF16_BYTES / tp
+    if software.context_parallel == "ulysses" and cp > 1:
+        qo_bytes = layer.tokens * 2 * shape.heads * shape.head_dim * _BF16_BYTES / tp
+        a2a = cm.collective_time_s("reduce-scatter", kv_bytes + qo_bytes, cp_span, topology, eff)
+        return (1 + layer.r_att) * cm.exposed_s(a2a, layer.att_s) + cm.exposed_s(a2a, 2.5 * layer.att_s)
     cp_send = (cp - 1) * cm.send_time_s(kv_bytes, *_level(topology, cp_span, eff)) if cp > 1 else 0.0
     # A recomputed attention forward runs its ring again (the ring lives inside the attention).
     return ((1 + layer.r_att) * cm.exposed_s(cp_send, layer.att_s)
@@ -358,6 +291,17 @@ def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topol
     return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s), ag
 
 
+def _fsdp_once_s(shape: DecoderShape, layers_per_stage: float, layout: Parallelism, topology: Topology,
+                 software: Software, eff: cm.Efficiency) -> float:
+    """A stage's FSDP weights gathered once before its ticks and their gradients reduce-scattered
+    once after them (`pipeline_weights_once`): nothing of the stage runs beside either."""
+    shard_span = cm.group_span(layout.shard_ranks, layout.tp, topology.devices_per_node)
+    stage_params = layers_per_stage * shape.layer_params / layout.tp
+    return (cm.collective_time_s("all-gather", stage_params * software.param_gather_bytes, shard_span, topology, eff)
+            + cm.collective_time_s("reduce-scatter", stage_params * software.grad_reduce_bytes, shard_span,
+                                   topology, eff))
+
+
 def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, eff: cm.Efficiency) -> float:
     """The LM head and loss, forward and backward, on the last stage (every GPU without
     pipelining), in bf16."""
@@ -369,13 +313,15 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: T
 
 
 def _pp_send_s(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
-    """Pipeline sends: one activation forward and one gradient backward per micro-batch."""
+    """Pipeline sends: one activation forward and one gradient backward per micro-batch (per
+    tick in the SPMD loop, whose next tick waits on each)."""
     if layout.pp <= 1:
         return 0.0
+    sends = layout.micro_batches + (layout.pp - 1 if software.pipeline == "spmd" else 0)
     pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
     level, link_eff = _level(topology, pp_span, eff)
     send_bytes = layer.act_bytes / (layout.tp if software.sequence_parallel else 1)
-    return layout.micro_batches * 2 * cm.send_time_s(send_bytes, level, link_eff)
+    return sends * 2 * cm.send_time_s(send_bytes, level, link_eff)
 
 
 def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Parallelism,
@@ -437,27 +383,36 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
     # One layer, one micro-batch: compute, and the tensor, context and FSDP collectives left exposed.
     layer = _layer(shape, layout, topology, software, eff)
     tp_exp = _tp_exposed(layer, layout, topology, software, eff)
-    cp_exp = _cp_exposed(layer, shape, layout, topology, eff)
+    cp_exp = _cp_exposed(layer, shape, layout, topology, software, eff)
     fsdp_exp_layer, fsdp_first = _fsdp_exposed(layer, shape, layout, topology, software, eff)
 
     # Stages, micro-batches, the pipeline.
+    spmd = layout.pp > 1 and software.pipeline == "spmd"
     layers_per_stage = shape.layers / layout.pp
-    stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + _head_s(layer, shape, layout, topology, eff)
-    stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
     m = layout.micro_batches
+    head_s = _head_s(layer, shape, layout, topology, eff)
+    fsdp_once = 0.0
+    if spmd and software.pipeline_weights_once and layout.fsdp > 1:
+        fsdp_once = _fsdp_once_s(shape, layers_per_stage, layout, topology, software, eff)
+        fsdp_exp_layer, fsdp_first = 0.0, 0.0
+    # The SPMD loop runs the head on its share of the rows after the stages (1/pp of m micro-batches').
+    stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + (0.0 if spmd else head_s)
+    stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
     stage_mb_s = stage_compute_s + stage_exposed_s
     bubble_s = (layout.pp - 1) / layout.virtual_stages * stage_mb_s if layout.pp > 1 else 0.0
 
-    # Data-parallel gradient sync and the optimizer, once per step.
-    stage_params = shape.layers / layout.pp * shape.layer_params + shape.embedding_params / min(layout.pp, 2)
+    # Data-parallel gradient sync and the optimizer, once per step. The SPMD loop keeps the
+    # embedding and head whole on every stage; Megatron puts them on the first and last.
+    embedding_params = shape.embedding_params if spmd else shape.embedding_params / min(layout.pp, 2)
+    stage_params = layers_per_stage * shape.layer_params + embedding_params
     params_per_gpu = stage_params / layout.tp
 
     return StepBreakdown(
-        compute_s=m * stage_compute_s,
+        compute_s=m * stage_compute_s + (m * head_s / layout.pp if spmd else 0.0),
         pipeline_bubble_s=bubble_s,
         tp_exposed_s=m * layers_per_stage * tp_exp,
         cp_exposed_s=m * layers_per_stage * cp_exp,
-        fsdp_exposed_s=m * (layers_per_stage * fsdp_exp_layer + fsdp_first),
+        fsdp_exposed_s=m * (layers_per_stage * fsdp_exp_layer + fsdp_first) + fsdp_once,
         dp_exposed_s=_dp_exposed(layer, layers_per_stage, params_per_gpu, layout, topology, software, eff),
         pp_send_s=_pp_send_s(layer, layout, topology, software, eff),
         optimizer_s=_optimizer_s(params_per_gpu, layout, topology, software),

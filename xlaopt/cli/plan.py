@@ -21,6 +21,7 @@ class PlanRequest:
     exhaustive: bool
     remat: str | None
     precision: str | None
+    stages: str | None
     execution_settings: tuple[str, ...]
     from_layout: str | None
     out: str | None
@@ -58,6 +59,8 @@ def register(sub) -> None:
     p.add_argument("--precision", default=None, metavar="NAME[,NAME...]",
                    help="the precisions to plan over: bfloat16, float16, fp8 (bf16 with the projections' matmuls in "
                         "fp8, on Hopper GPUs); default: every one the topology's device runs")
+    p.add_argument("--stages", default=None, metavar="N[,N...]",
+                   help="pipeline stage counts to plan over (default: those giving each stage whole nodes; 1: none)")
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="execution settings every candidate shares (attention, attention_block, layer_stack); remat, "
                         "micro_batches, compute_dtype and matmuls are what the planner chooses")
@@ -111,11 +114,22 @@ def _precisions(given: str | None) -> tuple[str, ...]:
         raise UserError(f"--{e}") from None
 
 
+def _stages(given: str | None) -> tuple[int, ...]:
+    """--stages's counts, each a positive integer; () when not given."""
+    if given is None:
+        return ()
+    parts = [n.strip() for n in given.split(",") if n.strip()]
+    if not parts or not all(n.isdigit() and int(n) > 0 for n in parts):
+        raise UserError(f"--stages {given!r}: give positive stage counts separated by commas, e.g. --stages 1,2,4")
+    return tuple(sorted({int(n) for n in parts}))
+
+
 def run(request: PlanRequest) -> int:
     if request.serve is not None:
         return _serving(request)
     policies = remats(request.remat)  # a bad name is refused before any work
     precisions = _precisions(request.precision)
+    stage_counts = _stages(request.stages)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     from xlaopt.planning.defaults import prepare_devices
 
@@ -144,7 +158,7 @@ def run(request: PlanRequest) -> int:
                                                execution_settings=request.execution_settings, seed=request.seed,
                                                old=old)
     planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies,
-                         precisions=precisions)
+                         precisions=precisions, stages=stage_counts)
     result = planner.plan_with(program, PassContext.for_program(program, topology), batch, prepare=after_planning)
     report = result["report"]
     report["target_note"] = target_note

@@ -21,7 +21,15 @@ from xlaopt.mesh import MAX_SIMULATED_DEVICES, MeshSpec
 from xlaopt.planning.price import AnalyticPrice, price
 from xlaopt.planning.residuals import saved_bytes_per_token_layer
 from xlaopt.planning.shapes import analytic_shape
-from xlaopt.planning.space import PRECISIONS, REMATS, Candidate, Rejected, check_precisions, enumerate_space
+from xlaopt.planning.space import (
+    PRECISIONS,
+    REMATS,
+    Candidate,
+    Rejected,
+    check_precisions,
+    enumerate_space,
+    pipeline_stages,
+)
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import with_sequence_parallel
 
@@ -82,6 +90,9 @@ class Plan:
 def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
     execution = dataclasses.replace(base.execution, remat=c.remat, micro_batches=c.micro_batches,
                                     compute_dtype=c.compute_dtype, matmuls=c.matmuls)
+    if c.pp > 1:  # the micro-batches are the pipeline's, run in one accumulation step
+        execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
+                                        pipeline_microbatches=c.micro_batches, pipeline_weights_once=c.weights_once)
     rules = with_sequence_parallel(base.rules) if c.sequence_parallel else base.rules
     return base.replace(mesh=c.mesh, rules=rules, execution=execution, shardings=None)
 
@@ -102,8 +113,9 @@ def compile_method(target: str, num_devices: int) -> str | None:
 def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int = 2, exhaustive: bool = False,
          precisions: tuple[str, ...] | None = None, on_compile=None,
          sequence_parallel: tuple[bool, ...] = (False, True), remats: tuple[str, ...] = REMATS,
-         prepare=None) -> Plan:
-    """The plan (see the module docstring). `prepare(program, topology)` readies a candidate's
+         prepare=None, stages: tuple[int, ...] | None = None) -> Plan:
+    """The plan (see the module docstring). `stages`: the pipeline stage counts tried (default
+    `pipeline_stages`: whole nodes per stage). `prepare(program, topology)` readies a candidate's
     program for its compile: by default the layout applied (`laid_out`); `xlaopt plan` gives the
     pipeline's passes that follow the planner (`xlaopt.pipeline.after_planning`), so a candidate
     is priced as `xlaopt analyze` prices the planned layout."""
@@ -111,11 +123,12 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     from xlaopt.analysis.attention_work import batch_work
 
     precisions = _precisions_for(topology, precisions)
+    stages = _stages_for(topology, stages)
     work = batch_work(program.replace(mesh=MeshSpec()), batch.arrays)  # the batch's work, not a layout's
     shape = _shape(program, work, batch)
     space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
                                       topology.devices_per_node, program.execution.attention, precisions,
-                                      sequence_parallel, remats)
+                                      sequence_parallel, remats, stages, program.target)
     if not space:
         raise UserError(_no_split_message(program, topology, rejected))
     dense = program.execution.attention == "dense"
@@ -176,6 +189,18 @@ def _precisions_for(topology: Topology, precisions: tuple[str, ...] | None) -> t
         raise UserError(f"precision fp8: {topology.device.name} has no fp8 matmuls; they run on Hopper GPUs "
                         f"(h100, h200 topologies)")
     return precisions
+
+
+def _stages_for(topology: Topology, stages: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The pipeline stage counts asked for, each dividing the devices; by default whole nodes a stage."""
+    if stages is None:
+        return pipeline_stages(topology.nodes)
+    bad = [s for s in stages if s < 1 or topology.num_devices % s]
+    if bad:
+        fits = [d for d in range(1, topology.num_devices + 1) if topology.num_devices % d == 0]
+        raise UserError(f"pipeline stages {', '.join(map(str, bad))}: a stage count must divide the "
+                        f"{topology.num_devices} devices of {topology.name} ({', '.join(map(str, fits))} do)")
+    return tuple(stages)
 
 
 def _traced_residuals(program: TrainProgram, precisions) -> tuple[dict, str]:

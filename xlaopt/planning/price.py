@@ -27,6 +27,9 @@ Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
              plus the logits in fp32 and their gradient (text tokens x vocab / tp; XLA computes
              the fp32 gradient in the logits' place, and the head's matmuls read a compute-dtype
              copy: 6 B a logit), plus dense attention's fp32 logits.
+With pipeline stages (xlaopt's SPMD loop) a stage holds its layers' share of the state and the
+embedding and head whole; it saves for backward what every one of its M + P - 1 ticks saved; the
+logits are those of its share of the rows; and its input and output buffers hold every micro-batch.
 """
 from __future__ import annotations
 
@@ -47,28 +50,33 @@ class AnalyticPrice:
     memory_parts: dict
 
 
-def software(candidate: Candidate, target: str) -> analytic.Software:
+def software(candidate: Candidate, target: str, kv_heads: int = 0) -> analytic.Software:
+    """How xlaopt's program of `candidate` runs (`kv_heads`: the model's, which decide whether the
+    ulysses-attention pass takes context parallel: whole kv heads on each context rank)."""
     fp8 = candidate.matmuls == "fp8"
+    ulysses = candidate.cp > 1 and kv_heads // candidate.tp % candidate.cp == 0
     # fp8 weights are quantized on their shards (the scale is a max over all of them) and
     # gathered in fp8: XLA moves the cast before the all-gather (f8e4m3fn all-gathers in the
     # GPU-target HLO).
     return analytic.Software(fused_elementwise=True, recompute=candidate.remat,
                              sequence_parallel=candidate.sequence_parallel,
                              tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
-                             param_gather_bytes=1 if fp8 else 4, grad_reduce_bytes=4, fp8_linear=fp8)
+                             param_gather_bytes=1 if fp8 else 4, grad_reduce_bytes=4, fp8_linear=fp8,
+                             pipeline="spmd", pipeline_weights_once=candidate.weights_once,
+                             context_parallel="ulysses" if ulysses else "ring")
 
 
 def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Parallelism:
     rows_per_micro_batch = batch.batch_size // (candidate.data * candidate.micro_batches)
-    return analytic.Parallelism(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=1, cp=candidate.cp,
-                           global_batch=batch.batch_size, seq_len=batch.text_len + batch.gen_len,
-                           micro_batch=max(rows_per_micro_batch, 1))
+    return analytic.Parallelism(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=candidate.pp,
+                                cp=candidate.cp, global_batch=batch.batch_size,
+                                seq_len=batch.text_len + batch.gen_len, micro_batch=max(rows_per_micro_batch, 1))
 
 
 def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape, topology: Topology, target: str,
           dense_attention: bool, eff: cm.Efficiency = cm.FITTED, traced: dict[str, float] | None = None) -> AnalyticPrice:
     layout = analytic_layout(candidate, batch)
-    breakdown = analytic.price_step(shape, layout, topology, software(candidate, target), eff)
+    breakdown = analytic.price_step(shape, layout, topology, software(candidate, target, shape.kv_heads), eff)
     parts = memory_parts(candidate, shape, batch, dense_attention, traced)
     return AnalyticPrice(breakdown.step_time_s, breakdown, sum(parts.values()), parts)
 
@@ -115,11 +123,17 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     saves per token and layer by policy, unsharded (`residuals.saved_bytes_per_token_layer`);
     the shape's formula then only says how tensor parallelism divides it."""
     compute = 4 if c.compute_dtype == "float32" else 2
-    params = shape.params
+    # A stage holds its share of the layers and the embedding and head whole (`analytic`'s "spmd").
+    layers = shape.layers // c.pp
+    params = layers * shape.layer_params + shape.embedding_params
     shards = c.fsdp * c.tp
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
+    # The pipeline keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`), and
+    # the head runs after it on the stage's share of all micro-batches' rows.
+    held = c.micro_batches + c.pp - 1 if c.pp > 1 else 1
+    head_tokens = tokens * c.micro_batches / c.pp if c.pp > 1 else tokens
     formula = saved_per_token_layer(shape, c.tp, compute, c.sequence_parallel)
     saved = formula
     if traced is not None:
@@ -133,11 +147,16 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     heads = shape.heads / c.tp
     attention_logits = 4.0 * rows * heads * (row_len / c.cp) * row_len if dense_attention else 0.0
     weight = 1 if c.matmuls == "fp8" else compute  # the projections read an fp8 copy
-    weights = 2 * weight * shape.layer_params / c.tp if c.fsdp > 1 else weight * params / c.tp
-    return {
+    in_flight = layers if c.weights_once else 2  # FSDP: the stage's layers gathered at once, or two prefetched
+    weights = in_flight * weight * shape.layer_params / c.tp if c.fsdp > 1 else weight * params / c.tp
+    parts = {
         "state": 12.0 * params / shards,
         "gradients": 4.0 * params / shards,
         "weights": float(weights),
-        "saved": saved[c.remat] * tokens * shape.layers,
-        "working": layer_working * tokens + (4.0 + compute) * tokens * logits_fraction * shape.vocab / c.tp + attention_logits,
+        "saved": saved[c.remat] * tokens * layers * held,
+        "working": (layer_working * tokens + (4.0 + compute) * head_tokens * logits_fraction * shape.vocab / c.tp
+                    + attention_logits),
     }
+    if c.pp > 1:  # the stage's input and output, all micro-batches of them
+        parts["pipeline_buffers"] = 2.0 * compute * shape.d_model * tokens * c.micro_batches
+    return parts

@@ -9,7 +9,10 @@ the rule table splits the residual stream over the tensor ranks too (sequence pa
 also splits each row's tokens over them). Pure data parallel (fsdp=1),
 pure FSDP (dp=1) and every HSDP split between them are enumerated. Tensor and context groups are
 kept inside a node (tp x cp <= devices per node): across the network their per-layer
-collectives cannot hide. Candidates that cannot be built say why (`Rejected`).
+collectives cannot hide. Pipeline stages (`pp`, the mesh axis `stage`, outermost) are tried where
+asked (`stages`); a pipelined candidate's micro-batches are the pipeline's (multiples of the
+stages, no gradient accumulation), and with FSDP each stage's weights are gathered either per
+tick or once a step (`weights_once`). Candidates that cannot be built say why (`Rejected`).
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ class Candidate:
     compute_dtype: str = "bfloat16"
     sequence_parallel: bool = False
     matmuls: str = "compute"  # "fp8": the projections' matmuls (`xlaopt.models.fp8`)
+    pp: int = 1  # pipeline stages; with pp > 1, micro_batches are the pipeline's (`xlaopt.models.pipeline`)
+    weights_once: bool = False  # pp > 1 with FSDP: each stage's weights gathered once a step, not per tick
 
     @property
     def precision(self) -> str:
@@ -65,22 +70,24 @@ class Candidate:
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tp * self.cp
+        return self.data * self.tp * self.cp * self.pp
 
     @property
     def mesh(self) -> MeshSpec:
-        return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, data=self.dp, fsdp=self.fsdp, tensor=self.tp, context=self.cp)
+        return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, stage=self.pp, data=self.dp, fsdp=self.fsdp, tensor=self.tp,
+                           context=self.cp)
 
     @property
     def kind(self) -> str:
         base = "FSDP" if self.dp == 1 and self.fsdp > 1 else "HSDP" if self.fsdp > 1 else "DP"
         return (base + (f"+TP{self.tp}" if self.tp > 1 else "") + ("+SP" if self.sequence_parallel else "")
-                + (f"+CP{self.cp}" if self.cp > 1 else ""))
+                + (f"+CP{self.cp}" if self.cp > 1 else "") + (f"+PP{self.pp}" if self.pp > 1 else ""))
 
     def __str__(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "fp8": "fp8"}[self.precision]
-        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{' sp' if self.sequence_parallel else ''} cp={self.cp} "
-                f"remat={self.remat} mb={self.micro_batches} {dtype}")
+        stages = f" pp={self.pp}{' weights-once' if self.weights_once else ''}" if self.pp > 1 else ""
+        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{' sp' if self.sequence_parallel else ''} cp={self.cp}"
+                f"{stages} remat={self.remat} mb={self.micro_batches} {dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,11 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_node: int, attention: str,
                     precisions: tuple[str, ...] = PRECISIONS, sequence_parallel: tuple[bool, ...] = (False, True),
-                    remats: tuple[str, ...] = REMATS) -> tuple[list[Candidate], list[Rejected]]:
+                    remats: tuple[str, ...] = REMATS, stages: tuple[int, ...] = (1,),
+                    target: str = "gpu") -> tuple[list[Candidate], list[Rejected]]:
     """(buildable candidates, rejected ones with their reasons) over all `num_devices` devices;
     `sequence_parallel` the choices tried where there is tensor parallelism, `remats` the
-    recomputation policies."""
+    recomputation policies, `stages` the pipeline stage counts, `target` the compiler."""
     ok: list[Candidate] = []
     rejected: list[Rejected] = []
     from xlaopt.families import family_of
@@ -108,24 +116,66 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
     tensor_dims = ({} if not stacked else
                    {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "mlp": config.mlp_dim,
                     "vocab": config.vocab_size})
-    for tp in (t for t in _divisors(devices_per_node) if num_devices % t == 0):
-        for cp in (c for c in _divisors(devices_per_node // tp) if num_devices % (tp * c) == 0):
-            data = num_devices // (tp * cp)
-            for fsdp in _divisors(data):
-                base = Candidate(data // fsdp, fsdp, tp, cp)
-                reason = _structural_reason(base, config, batch, stacked, tensor_dims, row_lengths, attention)
-                rows_per_rank = batch.batch_size // data if batch.batch_size % data == 0 else 0
-                for sp in sequence_parallel if tp > 1 else (False,):
-                    split = reason or (_sequence_parallel_reason(base, row_lengths) if sp else "")
-                    for remat in remats:
-                        for mb in (m for m in _divisors(max(rows_per_rank, 1)) if m <= MAX_MICRO_BATCHES):
-                            for precision in precisions:
+    for pp, tp, cp in _meshes(num_devices, devices_per_node, stages):
+        data = num_devices // (pp * tp * cp)
+        for fsdp in _divisors(data):
+            base = Candidate(data // fsdp, fsdp, tp, cp, pp=pp)
+            reason = (_structural_reason(base, config, batch, stacked, tensor_dims, row_lengths, attention)
+                      or _pipeline_reason(base, config, batch, stacked))
+            rows_per_rank = batch.batch_size // data if batch.batch_size % data == 0 else 0
+            # A pipeline's micro-batches are multiples of its stages (each stage gets an equal share).
+            micro = [pp * m for m in _divisors(max(rows_per_rank // pp, 1))
+                     if m <= MAX_MICRO_BATCHES and rows_per_rank % (pp * m) == 0] or [pp]
+            for sp in sequence_parallel if tp > 1 else (False,):
+                split = reason or (_sequence_parallel_reason(base, row_lengths) if sp else "")
+                for remat in remats:
+                    for mb in micro:
+                        for precision in precisions:
+                            for once in (False, True) if pp > 1 and fsdp > 1 else (False,):
                                 dtype, matmuls = _PRECISION[precision]
                                 c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
-                                                        matmuls=matmuls, sequence_parallel=sp)
-                                why = split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
+                                                        matmuls=matmuls, sequence_parallel=sp, weights_once=once)
+                                why = (split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
+                                       or _pipeline_target_reason(c, target))
                                 (rejected.append(Rejected(c, why)) if why else ok.append(c))
     return ok, rejected
+
+
+def _meshes(num_devices: int, devices_per_node: int, stages: tuple[int, ...]):
+    """(stages, tensor, context) sizes: tensor x context within a node, the rest data."""
+    for pp in (p for p in stages if num_devices % p == 0):
+        per_stage = num_devices // pp
+        for tp in (t for t in _divisors(devices_per_node) if per_stage % t == 0):
+            for cp in (c for c in _divisors(devices_per_node // tp) if per_stage % (tp * c) == 0):
+                yield pp, tp, cp
+
+
+def pipeline_stages(nodes: int) -> tuple[int, ...]:
+    """The stage counts the planner tries by default: those that give each stage whole nodes
+    (a stage boundary inside a node would spend its fast links on one send a tick)."""
+    return tuple(_divisors(nodes))
+
+
+def _pipeline_reason(c: Candidate, config, batch: BatchShape, stacked: bool) -> str:
+    """Why a candidate with stages cannot be built (`TrainProgram._check_pipeline`), or ''."""
+    if c.pp == 1:
+        return ""
+    if not stacked:
+        return "a CNN has no layer stack to cut into pipeline stages"
+    layers = config.num_layers
+    if layers % c.pp:
+        fits = ", ".join(str(d) for d in _divisors(layers) if d > 1)
+        return f"{c.pp} pipeline stages do not divide the model's {layers} layers ({fits} do)"
+    rows = batch.batch_size // c.data
+    if rows % c.pp:
+        return f"{rows} rows per data rank do not split into {c.pp} pipeline micro-batches (or a multiple)"
+    return ""
+
+
+def _pipeline_target_reason(c: Candidate, target: str) -> str:
+    if c.pp > 1 and target == "cpu" and c.compute_dtype == "bfloat16":
+        return "a pipeline in bfloat16 aborts XLA:CPU's compile on jax 0.10.2 (the GPU target builds it)"
+    return ""
 
 
 def _structural_reason(c: Candidate, config, batch: BatchShape, stacked: bool, tensor_dims: dict,
@@ -141,9 +191,10 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, stacked: bool, t
     if config.d_model % c.fsdp:
         return f"fsdp={c.fsdp} does not divide d_model {config.d_model}"
     if c.cp > 1:
-        if attention == "cudnn":
-            return ("context parallel splits a row's sequence, which jax 0.10.2's cuDNN attention refuses; "
-                    "the segment loop that can split it is far slower on a GPU")
+        kv_per_rank = config.num_kv_heads // c.tp
+        if attention == "cudnn" and kv_per_rank % c.cp:
+            return (f"context parallel reaches cuDNN's attention only through Ulysses, which needs the "
+                    f"{kv_per_rank} key-value heads of each tensor rank to split over context={c.cp}")
         if any(n % c.cp for n in row_lengths):
             return f"context={c.cp} does not divide the row's {' + '.join(map(str, row_lengths))} tokens"
     return ""
