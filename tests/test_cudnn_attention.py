@@ -62,11 +62,11 @@ def test_the_cpu_target_is_refused(tiny_config):
 def test_a_split_sequence_runs_only_through_ulysses(tiny_config):
     """Found on jax 0.10.2: its cuDNN attention partitioner raises "Sharding on sequence dim is not
     allowed" deep in the compile. A context split reaches cuDNN only through Ulysses: where the
-    key-value heads cannot split over context the program says so up front, and a program
+    query heads cannot split over context the program says so up front, and a program
     without the Ulysses transform is refused before it compiles."""
-    with pytest.raises(UserError, match=r"attention=cudnn cannot split a row's sequence .* heads of each tensor "
-                                        r"rank to split over context=2; use a context size that divides 1"):
-        TrainProgram(tiny_config, MeshSpec.parse("context=2,tensor=4"), execution=CUDNN, target="gpu")
+    with pytest.raises(UserError, match=r"attention=cudnn cannot split a row's sequence .* needs the 2 query heads "
+                                        r"of each tensor rank to split over context=4; use a context size of 1, 2,"):
+        TrainProgram(tiny_config, MeshSpec.parse("context=4,tensor=4"), execution=CUDNN, target="gpu")
     program = TrainProgram(tiny_config, MeshSpec.parse("context=2,fsdp=2"), execution=CUDNN, target="gpu")
     with pytest.raises(UserError, match=r"runs only through Ulysses attention; compile the program after the "
                                         r"ulysses-attention pass"):

@@ -9,6 +9,7 @@ import pytest
 
 from xlaopt.cli import main
 from xlaopt.data.batch import BatchShape
+from xlaopt.execution import ExecutionConfig
 from xlaopt.layout import load_layout
 from xlaopt.models.registry import get_config
 from xlaopt.planning.space import enumerate_space
@@ -31,11 +32,14 @@ def test_space_holds_dp_fsdp_hsdp_and_says_why_the_rest_cannot_be_built():
     assert {c.data for c in ok} <= {1, 2, 4}
     assert "the global batch of 12 rows does not split over 8 data ranks" in {r.reason for r in rejected}
     # cuDNN attention splits no row: context parallelism reaches it through Ulysses, where each
-    # tensor rank's kv heads split over the context ranks, and is refused with the reason elsewhere.
-    ok, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
-    assert {"DP+CP2", "DP+CP4", "DP+TP2+CP2"} <= {c.kind for c in ok}
+    # tensor rank's query heads split over the context ranks (kv heads repeated where fewer), and
+    # is refused with the reason elsewhere.
+    ok, _ = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
+    assert {"DP+CP2", "DP+CP4", "DP+TP2+CP2", "DP+TP2+CP4"} <= {c.kind for c in ok}
+    two_heads = get_config("llama-tiny", {"num_heads": 2, "num_kv_heads": 2})
+    _, rejected = enumerate_space(two_heads, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",))
     assert any(r.reason == "context parallel reaches cuDNN's attention only through Ulysses, which needs the 2 "
-               "key-value heads of each tensor rank to split over context=4" for r in rejected)
+               "query heads of each tensor rank to split over context=4" for r in rejected)
 
 
 def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
@@ -290,3 +294,30 @@ def test_plan_over_the_recomputation_policies_asked_for():
     program = TrainProgram(get_config("llama-tiny", {"num_layers": 2}), settings=TrainSettings(batch=BatchShape(8, 32, 0)))
     result = plan(program, parse_topology("cpu:1x8"), synthetic_batch(program), top=0, remats=("full", "save_qkv_proj"))
     assert {p.candidate.remat for p in result.ranked + result.unfit} == {"full", "save_qkv_proj"}
+
+
+def test_the_plan_states_the_best_layout_for_each_stage_count(tmp_path, capsys):
+    """llama-tiny (2 layers) on h100:2x4, stages 1, 2 and 4, analytic: each stage count gets its
+    best candidate or the reason none can be built, in the JSON and the printout; a pipelined
+    candidate's layout is a pipeline program (its micro-batches the pipeline's) that builds."""
+    from xlaopt.analysis.priced_batch import synthetic_batch
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.planning.planner import plan
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", *LLAMA, "--topology", "h100:2x4", "--target", "cpu", "--top", "0", "--precision",
+                 "float16", "--stages", "1,2,4", "--global-batch", "16", "--seq", "32", "--json", str(out)]) == 0
+    rows = {row["stages"]: row for row in json.loads(out.read_text())["by_stages"]}
+    assert rows[1]["rank"] == 1 and rows[2]["rank"] > 1 and " pp=2 " in rows[2]["candidate"]
+    assert rows[4] == {"stages": 4, "rank": None, "reason": "none can be built: 4 pipeline stages do not divide "
+                                                            "the model's 2 layers (2 do)"}
+    assert f"2 stage(s): #{rows[2]['rank']} {rows[2]['candidate']}" in capsys.readouterr().out
+
+    base = TrainProgram(get_config("llama-tiny", {"num_layers": 2}), settings=TrainSettings(batch=BatchShape(16, 32, 0)),
+                        execution=ExecutionConfig(compute_dtype="float16"))
+    result = plan(base, parse_topology("h100:2x4"), synthetic_batch(base), top=0, precisions=("float16",),
+                  stages=(2,))
+    program = result.program_for(result.best.candidate)
+    assert program.mesh.size("stage") == 2 and program.execution.micro_batches == 1
+    assert program.pipeline_schedule.microbatches == result.best.candidate.micro_batches

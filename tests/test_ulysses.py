@@ -28,6 +28,9 @@ def _laid_out(program, topology=None):
 
 CASES = {  # name -> (model, mesh, batch, execution, topology, the passes that must apply)
     "llama-dense-two-groups": (LLAMA_TINY, "data=2,context=2", BatchShape(8, 32, 0), FP32, None, {"ulysses-attention"}),
+    # 2 kv heads per tensor rank over 4 context ranks: each repeated twice (within its query group).
+    "llama-kv-heads-repeated": (LLAMA_TINY, "tensor=2,context=4", BatchShape(4, 32, 0), FP32, None,
+                                {"ulysses-attention"}),
     "cosmos3-segment-tensor": (COSMOS3_TINY, "data=2,tensor=2,context=2", None, dataclasses.replace(FP32, attention="segment"),
                                None, {"ulysses-attention"}),
     "cosmos3-with-hierarchical-grads": (COSMOS3_TINY, "data=4,context=2", None, dataclasses.replace(FP32, attention="segment"),
@@ -76,14 +79,17 @@ def test_the_layer_loop_all_to_alls_come_in_independent_head_groups():
 
 @needs_devices(8)
 def test_the_pass_says_why_it_does_not_apply():
-    def reason(mesh):
-        program = TrainProgram(LLAMA_TINY, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+    def reason(mesh, config=LLAMA_TINY):
+        program = TrainProgram(config, MeshSpec.parse(mesh), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                                execution=FP32)
         return _laid_out(program)[1]["ulysses-attention"].report.get("skipped")
 
     assert "no context parallelism" in reason("data=8")
-    # llama-tiny has 4 key-value heads: 2 per tensor rank cannot split over 4 context ranks.
-    assert "2 key-value heads per tensor rank do not split over context=4" in reason("tensor=2,context=4")
+    assert reason("tensor=2,context=4") is None  # 2 kv heads a rank, repeated twice (the CASES above)
+    # Two query heads cannot split over 4 context ranks, repeated kv heads or not.
+    two_heads = get_config("llama-tiny", {"num_heads": 2, "num_kv_heads": 2})
+    assert ("2 query heads and 2 key-value heads per tensor rank do not split over context=4"
+            in reason("data=2,context=4", two_heads))
 
 
 def test_on_the_gpu_target_it_is_faster_and_every_all_to_all_holds_compute(tmp_path):
@@ -108,11 +114,11 @@ def test_on_the_gpu_target_it_is_faster_and_every_all_to_all_holds_compute(tmp_p
     assert windows["ulysses"] and min(windows["ulysses"]) >= 1, windows["ulysses"]
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=2,context=2", "stage=2,fsdp=2,context=2"])
+@pytest.mark.parametrize("mesh", ["fsdp=2,context=2", "tensor=2,context=4", "stage=2,fsdp=2,context=2"])
 def test_on_the_gpu_target_context_parallel_cosmos3_runs_cudnn_through_ulysses(mesh):
     """cosmos3-tiny with attention=cudnn on a context split, deviceless H100s: the pass pipeline
     adds Ulysses, every attention is cuDNN's fused kernel on whole rows (forward and backward; no
-    segment loop). With pipeline stages too, the cuDNN call sits in shard_maps manual over stage,
+    segment loop); on tensor=2 x context=4 each rank's 2 kv heads are repeated. With pipeline stages too, the cuDNN call sits in shard_maps manual over stage,
     then context, then the rest."""
     pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
     from xlaopt.analysis import gpu_aot

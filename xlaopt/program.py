@@ -30,6 +30,7 @@ from xlaopt.sharding import DEFAULT_RULES, Rule, sequence_axes, validate_rules
 NONFINITE = ("none", "stop", "skip")
 from xlaopt.transforms import GradTransform, HloTransform
 from xlaopt.transforms.compiler_options import CompilerOptions
+from xlaopt.transforms.ulysses_attention import ulysses_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +133,14 @@ class TrainProgram:
         if not seq_axes:
             return
         context, tensor = self.mesh.size("context"), self.mesh.size("tensor")
-        kv_heads = getattr(self.model, "num_kv_heads", 0)
-        if seq_axes != ("context",) or (kv_heads // tensor) % context:
+        heads, kv_heads = getattr(self.model, "num_heads", 0), getattr(self.model, "num_kv_heads", 0)
+        if seq_axes != ("context",) or ulysses_split(heads, kv_heads, tensor, context) is None:
+            works = [c for c in range(1, heads // tensor + 1) if ulysses_split(heads, kv_heads, tensor, c)]
             raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
                             f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
                             f"a sharded sequence, and Ulysses (whole rows, heads split over context) needs the "
-                            f"{kv_heads // tensor} key-value heads of each tensor rank to split over context="
-                            f"{context}; use a context size that divides {kv_heads // tensor}, or attention=segment")
+                            f"{heads // tensor} query heads of each tensor rank to split over context={context}; "
+                            f"use a context size of {', '.join(map(str, works)) or 'none'}, or attention=segment")
 
     def _check_pipeline(self) -> None:
         stages, execution = self.mesh.size(STAGE), self.execution

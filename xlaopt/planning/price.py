@@ -40,6 +40,7 @@ from xlaopt.analysis.topology import Topology
 from xlaopt.data.batch import BatchShape
 from xlaopt.models import remat
 from xlaopt.planning.space import Candidate
+from xlaopt.transforms.ulysses_attention import ulysses_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +51,11 @@ class AnalyticPrice:
     memory_parts: dict
 
 
-def software(candidate: Candidate, target: str, kv_heads: int = 0) -> analytic.Software:
-    """How xlaopt's program of `candidate` runs (`kv_heads`: the model's, which decide whether the
-    ulysses-attention pass takes context parallel: whole kv heads on each context rank)."""
+def software(candidate: Candidate, target: str, heads: int = 0, kv_heads: int = 0) -> analytic.Software:
+    """How xlaopt's program of `candidate` runs (`heads`, `kv_heads`: the model's, which decide
+    whether the ulysses-attention pass takes context parallel)."""
     fp8 = candidate.matmuls == "fp8"
-    ulysses = candidate.cp > 1 and kv_heads // candidate.tp % candidate.cp == 0
+    ulysses = candidate.cp > 1 and ulysses_split(heads, kv_heads, candidate.tp, candidate.cp) is not None
     # fp8 weights are quantized on their shards (the scale is a max over all of them) and
     # gathered in fp8: XLA moves the cast before the all-gather (f8e4m3fn all-gathers in the
     # GPU-target HLO).
@@ -76,7 +77,7 @@ def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Paralle
 def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape, topology: Topology, target: str,
           dense_attention: bool, eff: cm.Efficiency = cm.FITTED, traced: dict[str, float] | None = None) -> AnalyticPrice:
     layout = analytic_layout(candidate, batch)
-    breakdown = analytic.price_step(shape, layout, topology, software(candidate, target, shape.kv_heads), eff)
+    breakdown = analytic.price_step(shape, layout, topology, software(candidate, target, shape.heads, shape.kv_heads), eff)
     parts = memory_parts(candidate, shape, batch, dense_attention, traced)
     return AnalyticPrice(breakdown.step_time_s, breakdown, sum(parts.values()), parts)
 

@@ -44,8 +44,26 @@ def plan_json(plan: Plan) -> dict:
                    "unfit": len(plan.unfit), "rejected": len(plan.rejected),
                    "compiled": sum(p.compiled is not None for p in plan.ranked + plan.unfit)},
         "memory_model": plan.memory_model,
+        "by_stages": _by_stages(plan),
         "seconds": plan.seconds,
     }
+
+
+def _by_stages(plan: Plan) -> list[dict]:
+    """For each pipeline stage count in the space, its best candidate that fits (rank, price and
+    the reason against the best), or why none does."""
+    out = []
+    for pp in sorted({p.candidate.pp for p in plan.ranked + plan.unfit} | {r.candidate.pp for r in plan.rejected}):
+        rank, best = next(((i, p) for i, p in enumerate(plan.ranked, 1) if p.candidate.pp == pp), (None, None))
+        if best is not None:
+            out.append({"stages": pp, "rank": rank, "candidate": str(best.candidate), "method": best.method,
+                        "step_time_s": best.step_time_s, "reason": best.reason})
+            continue
+        unfit = [p for p in plan.unfit if p.candidate.pp == pp]
+        why = (min(unfit, key=lambda p: p.memory_bytes).reason if unfit else
+               collections.Counter(r.reason for r in plan.rejected if r.candidate.pp == pp).most_common(1)[0][0])
+        out.append({"stages": pp, "rank": None, "reason": ("none fits: " if unfit else "none can be built: ") + why})
+    return out
 
 
 def _with_twins(rows: list[dict], ranked: list[Priced]) -> list[dict]:
@@ -96,6 +114,11 @@ def format_plan(result: dict, rows: int = 12) -> str:
     if result["unfit"]:
         u = min(result["unfit"], key=lambda c: c["memory_per_device_bytes"])
         lines.append(f"  over memory {n['unfit']}, e.g. {u['candidate']}: {u['reason']}")
+    stages = result.get("by_stages", [])
+    for row in stages if len(stages) > 1 else ():
+        lines.append(f"  {row['stages']} stage(s): " + (f"#{row['rank']} {row['candidate']}, {row['step_time_s']:.3f} s "
+                                                       f"({row['method']}): {row['reason']}" if row["rank"] else
+                                                       row["reason"]))
     lines.append(f"best: {best['candidate']} ({best['kind']}), {best['step_time_s']:.3f} s, MFU "
                  f"{best['mfu'] * 100:.1f}%, {gib(best['memory_per_device_bytes'])} GiB per device "
                  f"(analytic {gib(best['analytic_memory_per_device_bytes'])})")

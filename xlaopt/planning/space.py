@@ -22,6 +22,7 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import DTYPES
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+from xlaopt.transforms.ulysses_attention import ulysses_split
 
 # Recomputation policies (`xlaopt.models.remat`), from the least recomputed to the most: keep
 # everything; Megatron's selective (the core attention again); MaxText's named sets, from every
@@ -191,10 +192,9 @@ def _structural_reason(c: Candidate, config, batch: BatchShape, stacked: bool, t
     if config.d_model % c.fsdp:
         return f"fsdp={c.fsdp} does not divide d_model {config.d_model}"
     if c.cp > 1:
-        kv_per_rank = config.num_kv_heads // c.tp
-        if attention == "cudnn" and kv_per_rank % c.cp:
+        if attention == "cudnn" and ulysses_split(config.num_heads, config.num_kv_heads, c.tp, c.cp) is None:
             return (f"context parallel reaches cuDNN's attention only through Ulysses, which needs the "
-                    f"{kv_per_rank} key-value heads of each tensor rank to split over context={c.cp}")
+                    f"{config.num_heads // c.tp} query heads of each tensor rank to split over context={c.cp}")
         if any(n % c.cp for n in row_lengths):
             return f"context={c.cp} does not divide the row's {' + '.join(map(str, row_lengths))} tokens"
     return ""

@@ -12,11 +12,16 @@ groups whose all-to-alls and attentions are independent, so a GPU schedule can m
 all-to-all under another group's attention. The mask's per-token facts (segment, tower, position)
 are gathered whole: a few integers a token.
 
-Fits where kv_heads splits into context x chunks groups on each tensor rank.
+Fits where each tensor rank's query heads split over the context ranks. Where its key-value heads
+are fewer than the context ranks (or do not split over them), each is repeated r times first, so
+that every context rank gets whole (repeated) kv heads and the query heads that read them (GQA's
+groups stay contiguous: q head h reads repeated kv head h // (H / (N r))); the repeat's gradient
+sums the copies back. `ulysses_split` says which (r, chunks) a layout takes.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, ClassVar
 
 import jax
@@ -28,19 +33,36 @@ from xlaopt.models.masks import Tokens
 from xlaopt.transforms import GradTransform
 
 
+def ulysses_split(heads: int, kv_heads: int, tensor: int, context: int, chunks: int = 2) -> tuple[int, int] | None:
+    """(kv repeat r, head groups) for Ulysses on a tensor rank's heads over `context` ranks, or
+    None where its query heads do not split (or r would split a GQA group): r the least that
+    makes the rank's kv heads split over context x groups, groups `chunks` where that divides, else 1."""
+    h, n = heads // tensor, kv_heads // tensor
+    if n == 0 or h % context:
+        return None
+    repeat = context // math.gcd(n, context)
+    if (h // n) % repeat:
+        return None
+    groups = next((c for c in (chunks, 1) if (n * repeat) % (context * c) == 0 and h % (context * c) == 0), 0)
+    return (repeat, groups) if groups else None
+
+
 @dataclasses.dataclass(frozen=True)
 class UlyssesAttentionTransform(GradTransform):
     name: ClassVar[str] = "ulysses-attention"
     axis: str  # the mesh axis that splits the sequence (context)
     chunks: int = 2  # head groups whose all-to-alls and attentions are independent
+    kv_repeat: int = 1  # each kv head repeated so that every context rank gets whole ones
 
     def attend(self, attend: Callable, q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens):
-        axis, chunks = self.axis, self.chunks
+        axis, chunks, repeat = self.axis, self.chunks, self.kv_repeat
         seq = PartitionSpec(None, axis)
 
         def local(q, k, v, qt, kt):
             whole = lambda t: Tokens(*(jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in t))  # noqa: E731
             qt, kt = whole(qt), whole(kt)
+            if repeat > 1:
+                k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
             N, H = k.shape[2], q.shape[2]
             n, h = N // chunks, H // chunks
             to_heads = lambda x: jax.lax.all_to_all(x, axis, 2, 1, tiled=True)  # noqa: E731  seq -> heads
