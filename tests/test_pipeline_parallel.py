@@ -123,10 +123,17 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     assert all(len(g) == 2 for c in sends for g in c.replica_groups)
     assert {c.kind for c in over_stage} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}
 
-    # analyze states the schedule beside its price.
+    # analyze states the schedule beside its price, and the bubble as priced: P - 1 of the ticks
+    # of the step's two tick loops (forward and backward), each loop's time from the simulation.
     result = analyze(laid, parse_topology("cpu:1x8"))
-    assert result["pipeline"] == {"schedule": "gpipe", "stages": 2, "microbatches": 4, "ticks": ticks,
-                                  "bubble_fraction": 1 / ticks, "saved_ticks": ticks}
+    p = result["pipeline"]
+    assert {k: p[k] for k in ("schedule", "stages", "microbatches", "ticks", "bubble_fraction", "saved_ticks")} == {
+        "schedule": "gpipe", "stages": 2, "microbatches": 4, "ticks": ticks, "bubble_fraction": 1 / ticks,
+        "saved_ticks": ticks}
+    loops = {loop["name"]: loop for loop in result["schedule"]["loops"]}
+    assert len(p["tick_loops"]) == 2 and all(loops[n]["trip_count"] == ticks for n in p["tick_loops"])
+    assert p["tick_loops_s"] == pytest.approx(sum(loops[n]["time_s"] for n in p["tick_loops"]))
+    assert 0 < p["tick_loops_s"] < result["step_time_s"] and p["bubble_s"] == pytest.approx(p["tick_loops_s"] / ticks)
     assert "pipeline: gpipe, 2 stages x 4 micro-batches: 5 ticks, the bubble 20.0%" in format_analysis(result)
 
     # hierarchical-grads' per-layer reduction would run once per tick under a pipeline: it says so.

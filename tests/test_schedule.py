@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from xlaopt.analysis.schedule import build_schedule
+from xlaopt.analysis.simulate import compute_time_s, simulate
+from xlaopt.analysis.topology import parse_topology
 
 # A scheduled module in the syntax `compiled.as_text()` prints: operands without types, fused
 # computations first, ENTRY last.
@@ -72,8 +74,15 @@ def test_dot_flops_fusions_and_loops_from_shapes():
     assert len(by_name["d"]) == 3  # the while body, expanded by its trip count
     assert by_name["d"][0].flops == 2 * 64 * 128 * 128
     assert s.flops == 2 * 64 * 32 * 128 + 3 * 2 * 64 * 128 * 128
-    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 3, "known": True,
-                        "given": False}]
+    (loop,) = s.loops
+    first, end = loop["ops"]  # the entry-level loop's span of the expanded ops: its 3 bodies exactly
+    assert {k: v for k, v in loop.items() if k != "ops"} == {"name": "loop", "computation": "main", "body": "body", "trip_count": 3, "known": True,
+                    "given": False}
+    assert [o.name for o in s.ops[first:end]] == [o.name for o in s.templates["body"]] * 3
+    # The simulation times the loop on the compute stream: a loop of compute only, its ops' sum.
+    h100 = parse_topology("h100:1x2")
+    assert simulate(s, h100).loop_time_s == {"loop": pytest.approx(
+        sum(compute_time_s(o, h100) for o in s.ops[first:end] if o.kind == "compute"))}
     # bytes: operands + result of the fusion
     assert by_name["f"][0].bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
 
@@ -315,8 +324,8 @@ _COUNTED = (HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
 
 def test_a_loop_without_xlas_trip_count_is_counted_from_its_start_bound_and_step():
     s = build_schedule(_COUNTED)
-    assert s.loops == [{"name": "loop", "computation": "main", "body": "body", "trip_count": 2, "known": True,
-                        "given": False}]
+    assert [{k: v for k, v in loop.items() if k != "ops"} for loop in s.loops] == [
+        {"name": "loop", "computation": "main", "body": "body", "trip_count": 2, "known": True, "given": False}]
     assert s.flops == 2 * 64 * 32 * 128 + 2 * 2 * 64 * 128 * 128
     # A body that does not step its counter: nothing to count by, so the loop stays unknown (once).
     still = build_schedule(_COUNTED.replace("tuple(%inc, %d)", "tuple(%i, %d)"))

@@ -117,7 +117,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "fill": work.fill,
         "attention": _attention_json(program, target, work),
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
-        "pipeline": _pipeline_json(program),
+        "pipeline": _pipeline_json(program, schedule.loops, sim.loop_time_s, sim.step_time_s),
         "compute_dtype": dtype,
         "matmuls": program.execution.matmuls,  # "fp8": the projections' (MFU stays against the dtype's peak)
         "fp8_gemms": fp8_gemms(text),  # GEMMs on fp8 operands in the compiled step (`hlo.fp8_gemms`)
@@ -140,7 +140,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "hbm_bytes": topology.device.hbm_bytes,
         "fits_hbm": topology.device.hbm_bytes <= 0 or mem["peak_estimate"] <= topology.device.hbm_bytes,
         "collectives": collectives,
-        "schedule": {"ops": len(schedule.ops), "loops": schedule.loops,
+        "schedule": {"ops": len(schedule.ops),
+                     "loops": [dict(loop, time_s=sim.loop_time_s.get(loop["name"])) for loop in schedule.loops],
                      "async_collectives": sum(1 for c in collectives if c["is_async"])},
         "timings_s": {"lower": lower_s, "compile": compile_s, "simulate": price_s},
         "trace": trace,
@@ -158,13 +159,22 @@ def _attention_json(program: TrainProgram, target: str, work) -> dict:
             "fused_call_flops_mean_device": work.mean_custom_call_flops}
 
 
-def _pipeline_json(program: TrainProgram) -> dict | None:
-    """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined."""
+def _pipeline_json(program: TrainProgram, loops: list[dict], loop_time_s: dict, step_s: float) -> dict | None:
+    """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined.
+    As priced: the tick loops (the step's outermost loops of `ticks` trips, forward and backward)
+    and a tick's time, forward and backward, so the bubble's P - 1 ticks in seconds."""
     s = program.pipeline_schedule
     if s is None:
         return None
-    return {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "ticks": s.ticks,
-            "bubble_fraction": s.bubble_fraction, "saved_ticks": s.saved_ticks}
+    out = {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "ticks": s.ticks,
+           "bubble_fraction": s.bubble_fraction, "saved_ticks": s.saved_ticks}
+    ticking = [loop["name"] for loop in loops if loop.get("ops") and loop["trip_count"] == s.ticks]
+    if ticking:
+        loops_s = sum(loop_time_s[name] for name in ticking)
+        tick_s = loops_s / s.ticks
+        out.update(tick_loops=ticking, tick_loops_s=loops_s, tick_s=tick_s, bubble_s=(s.stages - 1) * tick_s,
+                   bubble_fraction_of_step=(s.stages - 1) * tick_s / step_s if step_s else None)
+    return out
 
 
 def _resolve(program: TrainProgram, topology: Topology, target: str | None, batch: PricedBatch | None):
@@ -297,7 +307,10 @@ def format_analysis(result: dict) -> str:
         p = result["pipeline"]
         lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} micro-batches: "
                      f"{p['ticks']} ticks, the bubble {p['bubble_fraction'] * 100:.1f}% of each device's ticks; "
-                     f"a stage holds {p['saved_ticks']} ticks' activations for the backward")
+                     f"a stage holds {p['saved_ticks']} ticks' activations for the backward"
+                     + (f"; as priced a tick (forward and backward) {p['tick_s'] * 1e3:,.1f} ms, the bubble "
+                        f"{p['bubble_s'] * 1e3:,.1f} ms ({p['bubble_fraction_of_step'] * 100:.1f}% of the step)"
+                        if "tick_s" in p else ""))
     lines.append(f"{'mesh axes':<16}{'bytes/step':>14}{'comm':>14}{'exposed':>14}")
     for axes, c in sorted(result["comm_by_axis"].items(), key=lambda kv: -kv[1]["time_s"]):
         lines.append(f"{axes:<16}{gib(c['bytes']):>14}{ms(c['time_s']):>14}{ms(c['exposed_s']):>14}")

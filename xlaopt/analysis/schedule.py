@@ -79,7 +79,7 @@ class Op:
 class Schedule:
     ops: list[Op]  # entry computation in execution order, loops expanded
     entry: str
-    loops: list[dict]  # {name, computation, body, trip_count, known}
+    loops: list[dict]  # {name, computation, body, trip_count, known}; an entry-level loop also `ops`: [first, end)
     templates: dict[str, list[Op]]  # each expanded computation's ops, in schedule order
 
     @property
@@ -206,35 +206,43 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
         if depth > 64:
             raise ValueError(f"computation nesting deeper than 64 at {comp}")
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
-            if ins.opcode == "while":
-                body = reader.callee(ins, "body")
-                trips = hlo.loop_trip_count(ins, comp, reader.comps)
-                given = _loop_trips(ins.attrs, loop_trips or {}) if trips is None else None
-                runs = trips if trips is not None else given if given is not None else 1
-                if ins.name not in seen_loops:
-                    seen_loops.add(ins.name)
-                    loops.append({"name": ins.name, "computation": comp, "body": body, "trip_count": runs,
-                                  "known": trips is not None, "given": given is not None})
-                body_ops = list(expand(body, depth + 1)) if given is not None else None
-                if body_ops is not None and all(o.kind in ("compute", "free") for o in body_ops):
-                    # A loop of the caller's count within one device (no communication): each body
-                    # op once, standing for its `runs` runs, so a long pair loop is priced in one pass.
-                    yield from (dataclasses.replace(o, flops=o.flops * runs, bytes=o.bytes * runs, repeat=o.repeat * runs)
-                                for o in body_ops if runs)
-                    continue
-                for _ in range(runs):
-                    yield from expand(body, depth + 1)
-            elif ins.opcode == "call":
-                yield from expand(reader.callee(ins, "to_apply"), depth + 1)
-            elif ins.opcode == "conditional":
-                m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
-                branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
-                    [c for c in (reader.callee(ins, "true_computation"), reader.callee(ins, "false_computation")) if c]
-                if branches:
-                    heaviest = max(branches, key=lambda b: sum(o.flops for o in template(b)))
-                    yield from expand(heaviest, depth + 1)
-            else:
-                yield op
+            yield from expand_one(ins, op, comp, depth)
 
-    ops = list(expand(reader.entry))
+    def expand_one(ins: Instruction, op: Op, comp: str, depth: int) -> Iterator[Op]:
+        if ins.opcode == "while":
+            body = reader.callee(ins, "body")
+            trips = hlo.loop_trip_count(ins, comp, reader.comps)
+            given = _loop_trips(ins.attrs, loop_trips or {}) if trips is None else None
+            runs = trips if trips is not None else given if given is not None else 1
+            if ins.name not in seen_loops:
+                seen_loops.add(ins.name)
+                loops.append({"name": ins.name, "computation": comp, "body": body, "trip_count": runs,
+                              "known": trips is not None, "given": given is not None})
+            body_ops = list(expand(body, depth + 1)) if given is not None else None
+            if body_ops is not None and all(o.kind in ("compute", "free") for o in body_ops):
+                # A loop of the caller's count within one device (no communication): each body
+                # op once, standing for its `runs` runs, so a long pair loop is priced in one pass.
+                yield from (dataclasses.replace(o, flops=o.flops * runs, bytes=o.bytes * runs, repeat=o.repeat * runs)
+                            for o in body_ops if runs)
+                return
+            for _ in range(runs):
+                yield from expand(body, depth + 1)
+        elif ins.opcode == "call":
+            yield from expand(reader.callee(ins, "to_apply"), depth + 1)
+        elif ins.opcode == "conditional":
+            m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+            branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
+                [c for c in (reader.callee(ins, "true_computation"), reader.callee(ins, "false_computation")) if c]
+            if branches:
+                heaviest = max(branches, key=lambda b: sum(o.flops for o in template(b)))
+                yield from expand(heaviest, depth + 1)
+        else:
+            yield op
+
+    ops: list[Op] = []
+    for ins, op in zip(reader.comps.get(reader.entry, []), template(reader.entry)):  # entry loops: their ops' span
+        first = len(ops)
+        ops.extend(expand_one(ins, op, reader.entry, 0))
+        if ins.opcode == "while":
+            next(loop for loop in loops if loop["name"] == ins.name)["ops"] = [first, len(ops)]
     return Schedule(ops=ops, entry=reader.entry, loops=loops, templates=templates)

@@ -73,6 +73,9 @@ class SimResult:
     timeline: list  # Events
     copy_s: float = 0.0  # async copies (copy-start / copy-done) on the copy stream
     exposed_copy_s: float = 0.0  # compute blocked on a copy-done
+    # Each entry-level loop's time on the compute stream (its first op's start to its last op's
+    # end, every wait inside counted), by loop name.
+    loop_time_s: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
@@ -390,11 +393,19 @@ def simulate(schedule: Schedule, topology: Topology, mesh_shape: dict[str, int] 
              cpu_fixups: bool = False, keep_timeline: bool = True) -> SimResult:
     """Run the schedule's ops through the compute, communication and copy streams."""
     run = _Run(topology, mesh_shape, eff, matmul_dtype, cpu_fixups, keep_timeline)
-    for op in schedule.ops:
+    spans = {loop["name"]: loop["ops"] for loop in schedule.loops if "ops" in loop}
+    marks = {i for span in spans.values() for i in span}
+    clock: dict[int, float] = {}
+    for i, op in enumerate(schedule.ops):
+        if i in marks:
+            clock[i] = run.tc
         handler = _HANDLERS.get(op.kind)
         if handler is not None:
             handler(run, op)
-    return run.result(schedule)
+    clock[len(schedule.ops)] = run.tc
+    result = run.result(schedule)
+    result.loop_time_s = {name: clock.get(end, run.tc) - clock.get(first, run.tc) for name, (first, end) in spans.items()}
+    return result
 
 
 def mfu(model_flops_per_step: float, step_time_s: float, topology: Topology, num_devices: int,

@@ -1,0 +1,154 @@
+"""Issue 29's figures: a pipeline layout on XLA's GPU schedule, the planner with stages on
+llama3-405b, and Cosmos 3 context parallel through Ulysses and cuDNN.
+
+    python experiments/large_jobs.py [--json out/large_jobs.json] [--only bubble,planner,nano_cp,mid_rows]
+
+bubble    llama3-8b on two stages of one 8-GPU node each (h100:2x8, stage=2 x tensor=8 with
+          sequence parallelism), full recomputation, cuDNN attention, rows of 4,096, compiled
+          deviceless and priced from XLA's schedule for M = 2, 4, 8 micro-batches of 8 rows (the
+          global batch 8 M, so every tick runs the same program). The bubble as priced is P - 1
+          ticks, a tick's time read from the simulated schedule (the tick loops' time over their
+          trips, `analyze`'s `pipeline.tick_s`); the schedule's theoretical bubble is P - 1 times
+          a micro-batch through one stage without a pipeline: the same 8 rows through 16 layers
+          (`num_layers=16`) on one node, its layer loops' time from the same simulator. Beside
+          them, the step fitted as c + M s on M = 2 and 4 and the held-out M = 8, and each
+          stage-to-stage send's window (the compute XLA places between its start and its done).
+planner   `plan` of llama3-405b on 512 H100 (64 x 8), 256 sequences of 8,192, analytic: the best
+          layout for each stage count tried, with the reasons.
+nano_cp   cosmos3-nano on 16 x 8 H100, 720p rows: the planner's best layout with context
+          parallel and without, each compiled for the GPU target after the passes (Ulysses on
+          cuDNN: no segment loop in the HLO) and priced from its schedule.
+mid_rows  cosmos3-super and cosmos3-nano on rows of 74,000 (cosmos3-mid), 8 x 8 H100: the least
+          memory per device without context parallel and the planned layout that fits.
+
+Needs the `gpu-aot` extra (jax-cuda12-plugin). About 15-60 s a compile on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from layout_planner import write_json  # experiments/ is the script's path
+
+BUBBLE_MODEL, BUBBLE_TOPOLOGY, BUBBLE_MESH, ROWS_PER_MICRO_BATCH, SEQ = "llama3-8b", "h100:2x8", "stage=2,tensor=8", 8, 4096
+
+
+def _analyze(model, mesh, topology, batch, execution, mix=None, sequence_parallel=False, dump=None, overrides=None):
+    import xlaopt.api as api
+
+    program = api.build_program(model, mesh, batch=batch, execution=execution, target="gpu",
+                                sequence_parallel=sequence_parallel, overrides=overrides)
+    program, _ = api.optimize(program, topology=topology)
+    kw = {"mix": mix} if mix else {}
+    return program, api.analyze(program, topology, dump_dir=dump, **kw)
+
+
+def _stage_reference_s() -> float:
+    """One micro-batch (8 rows) forward and backward through one stage's 16 layers, unpipelined:
+    the layer loops' time (a loop XLA peeled iterations off is scaled to all 16 layers)."""
+    layers = 16
+    _, r = _analyze(BUBBLE_MODEL, BUBBLE_MESH.split(",")[1], BUBBLE_TOPOLOGY.split(":")[0] + ":1x8",
+                    (ROWS_PER_MICRO_BATCH, SEQ, 0), {"remat": "full", "attention": "cudnn"}, sequence_parallel=True,
+                    overrides={"num_layers": layers})
+    loops = [loop for loop in r["schedule"]["loops"] if loop.get("ops") and loop["trip_count"] >= layers - 2]
+    return sum(loop["time_s"] * layers / loop["trip_count"] for loop in loops)
+
+
+def bubble() -> dict:
+    import tempfile
+
+    from xlaopt.analysis.hlo import compute_inside_async
+
+    P, rows = 2, []
+    reference = _stage_reference_s()
+    for M in (2, 4, 8):
+        with tempfile.TemporaryDirectory() as dump:
+            execution = {"layer_stack": "pipeline", "remat": "full", "attention": "cudnn", "pipeline_microbatches": M}
+            _, r = _analyze(BUBBLE_MODEL, BUBBLE_MESH, BUBBLE_TOPOLOGY, (ROWS_PER_MICRO_BATCH * M, SEQ, 0),
+                            execution, sequence_parallel=True, dump=dump)
+            with open(f"{dump}/analyzed-gpu.compiled.hlo") as f:
+                windows = compute_inside_async(f.read(), "collective-permute")
+        p = r["pipeline"]
+        rows.append({"microbatches": M, "ticks": p["ticks"], "step_time_s": r["step_time_s"], "tick_s": p["tick_s"],
+                     "bubble_priced_s": p["bubble_s"], "bubble_theory_s": (P - 1) * reference,
+                     "bubble_error": p["bubble_s"] / ((P - 1) * reference) - 1,
+                     "bubble_fraction_of_step": p["bubble_fraction_of_step"],
+                     "exposed_comm_s": r["exposed_comm_s"], "stage_exposed_s": r["exposed_comm_by_axis_s"].get("stage", 0.0),
+                     "send_windows": windows, "memory_gib": r["memory_per_device_bytes"]["peak_estimate"] / 2**30})
+    (m2, s2), (m4, s4) = ((r["microbatches"], r["step_time_s"]) for r in rows[:2])
+    slope = (s4 - s2) / (m4 - m2)
+    for r in rows:
+        r["fitted_step_s"] = s2 + (r["microbatches"] - m2) * slope
+        r["step_error"] = r["step_time_s"] / r["fitted_step_s"] - 1
+    return {"model": BUBBLE_MODEL, "topology": BUBBLE_TOPOLOGY, "mesh": BUBBLE_MESH + " (sequence parallel)",
+            "rows_per_micro_batch": ROWS_PER_MICRO_BATCH, "seq": SEQ, "stage_reference_s": reference, "rows": rows}
+
+
+def planner_405b() -> dict:
+    import xlaopt.api as api
+    from xlaopt.analysis.priced_batch import synthetic_batch
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.planning.planner import plan
+    from xlaopt.planning.report import plan_json
+
+    program = api.build_program("llama3-405b", "", batch=(256, 8192, 0), execution={"attention": "cudnn"}, target="gpu")
+    result = plan(program, parse_topology("h100:64x8"), synthetic_batch(program), top=0)
+    report = plan_json(result)
+    return {"best": report["best"]["candidate"], "step_time_s": report["best"]["step_time_s"],
+            "mfu": report["best"]["mfu"], "by_stages": report["by_stages"], "counts": report["counts"]}
+
+
+def _best(model: str, topology_spec: str, mix: str, context: bool) -> dict:
+    """The planner's best compiled layout for `model` with or without context parallel."""
+    from layout_planner import base_program
+
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.pipeline import after_planning
+    from xlaopt.planning.planner import plan
+
+    topology = parse_topology(topology_spec)
+    program, batch = base_program(model, topology, mix, None, None)
+    t0 = time.perf_counter()
+    result = plan(program, topology, batch, top=1, remats=("full",), precisions=("bfloat16",), stages=(1,),
+                  prepare=after_planning, **({} if context else {"sequence_parallel": (False,)}))
+    chosen = [p for p in result.ranked if (p.candidate.cp > 1) == context]
+    return result, chosen, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="bubble,planner", help="sections to run, comma-separated")
+    args = ap.parse_args()
+    from xlaopt.analysis import gpu_aot
+
+    if not gpu_aot.available():
+        print("needs the gpu-aot extra: pip install -e '.[gpu-aot]'", file=sys.stderr)
+        return 2
+    out = {}
+    sections = set(args.only.split(","))
+    if "bubble" in sections:
+        out["bubble"] = b = bubble()
+        print(f"{b['model']} on {b['topology']}, {b['mesh']}, {b['rows_per_micro_batch']} rows of {b['seq']:,} a "
+              f"micro-batch; one micro-batch through a stage unpipelined: {b['stage_reference_s'] * 1e3:.1f} ms")
+        print(f"{'M':>3}{'ticks':>7}{'step s':>9}{'bubble ms':>11}{'theory ms':>11}{'error':>8}{'of step':>9}"
+              f"{'fit s':>8}{'error':>8}{'send windows':>15}{'GiB':>7}")
+        for r in b["rows"]:
+            print(f"{r['microbatches']:>3}{r['ticks']:>7}{r['step_time_s']:>9.3f}{r['bubble_priced_s'] * 1e3:>11.1f}"
+                  f"{r['bubble_theory_s'] * 1e3:>11.1f}{r['bubble_error']:>+8.1%}{r['bubble_fraction_of_step']:>9.1%}"
+                  f"{r['fitted_step_s']:>8.3f}{r['step_error']:>+8.1%}{str(r['send_windows']):>15}{r['memory_gib']:>7.1f}")
+    if "planner" in sections:
+        out["planner"] = p = planner_405b()
+        print(f"\nllama3-405b on h100:64x8, 256 x 8,192, analytic: best {p['best']} {p['step_time_s']:.3f} s, "
+              f"MFU {p['mfu']:.1%}")
+        for row in p["by_stages"]:
+            print(f"  {row['stages']:>2} stage(s): " + (f"#{row['rank']} {row['candidate']}, {row['step_time_s']:.3f} s: "
+                                                       f"{row['reason']}" if row["rank"] else row["reason"]))
+    if args.json:
+        write_json(out, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
