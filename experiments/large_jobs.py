@@ -34,14 +34,16 @@ from layout_planner import write_json  # experiments/ is the script's path
 BUBBLE_MODEL, BUBBLE_TOPOLOGY, BUBBLE_MESH, ROWS_PER_MICRO_BATCH, SEQ = "llama3-8b", "h100:2x8", "stage=2,tensor=8", 8, 4096
 
 
-def _analyze(model, mesh, topology, batch, execution, mix=None, sequence_parallel=False, dump=None, overrides=None):
+def _analyze(model, mesh, topology, batch, execution, sequence_parallel=False, dump=None, overrides=None):
+    """(the program after the pass pipeline, its `analyze` result) on deviceless GPUs."""
     import xlaopt.api as api
+    from xlaopt.analysis.analyze import analyze
+    from xlaopt.analysis.topology import parse_topology
 
     program = api.build_program(model, mesh, batch=batch, execution=execution, target="gpu",
                                 sequence_parallel=sequence_parallel, overrides=overrides)
     program, _ = api.optimize(program, topology=topology)
-    kw = {"mix": mix} if mix else {}
-    return program, api.analyze(program, topology, dump_dir=dump, **kw)
+    return program, analyze(program, parse_topology(topology), dump_dir=dump)
 
 
 def _stage_reference_s() -> float:
@@ -96,24 +98,88 @@ def planner_405b() -> dict:
     result = plan(program, parse_topology("h100:64x8"), synthetic_batch(program), top=0)
     report = plan_json(result)
     return {"best": report["best"]["candidate"], "step_time_s": report["best"]["step_time_s"],
-            "mfu": report["best"]["mfu"], "by_stages": report["by_stages"], "counts": report["counts"]}
+            "mfu": report["best"]["mfu"], "by_stages": report["by_stages"], "counts": report["counts"],
+            "nemo_layout": _nemo_405b(result)}
 
 
-def _best(model: str, topology_spec: str, mix: str, context: bool) -> dict:
-    """The planner's best compiled layout for `model` with or without context parallel."""
+def _nemo_405b(result) -> dict:
+    """NVIDIA's Llama 3.1 405B layout on H100 (calibration row N11: tensor 8, pipeline 8 with 8
+    virtual stages (interleaved 1F1B), context 2, fp8, no recomputation) on this job's 512 GPUs
+    and 256 sequences (data 4), priced by the same analytic model as Megatron runs it."""
+    import dataclasses
+
+    from xlaopt.analysis import analytic
+    from xlaopt.analysis.calibrate import HELDOUT_RUNS, prepare, read_runs
+    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.simulate import mfu
+
+    priced = prepare(next(r for r in read_runs(HELDOUT_RUNS) if r.id == "N11"))
+    layout = dataclasses.replace(priced.run.layout, dp=4, global_batch=256)
+    topology = result.topology
+    step = analytic.price_step(priced.run.shape, layout, topology, priced.software, efficiency_for(topology))
+    return {"layout": f"dp=4 tp=8 pp=8 (8 virtual stages) cp=2 micro_batch=1 ({layout.micro_batches:g} micro-batches) "
+                      f"no recompute fp8, {priced.run.framework}",
+            "step_time_s": step.step_time_s, "mfu": mfu(result.model_flops, step.step_time_s, topology, 512, "bfloat16"),
+            "breakdown": dataclasses.asdict(step)}
+
+
+def _planned(model: str, topology_spec: str, mix: str, **plan_options):
+    """The analytic plan of `model` on `topology_spec` over rows of `mix` (one per GPU), cuDNN."""
     from layout_planner import base_program
 
     from xlaopt.analysis.topology import parse_topology
-    from xlaopt.pipeline import after_planning
     from xlaopt.planning.planner import plan
 
     topology = parse_topology(topology_spec)
     program, batch = base_program(model, topology, mix, None, None)
+    return plan(program, topology, batch, top=0, stages=(1,), **plan_options), topology, batch
+
+
+def _compiled(result, candidate, topology, batch) -> dict:
+    """A planned candidate after the passes that follow the planner, compiled for the GPU target
+    and priced from its schedule: what `xlaopt plan` compiles."""
+    import tempfile
+
+    from xlaopt.analysis.analyze import analyze
+    from xlaopt.models.segment_attention import loop_tag
+    from xlaopt.pipeline import after_planning
+
+    program = after_planning(result.program_for(candidate), topology)
     t0 = time.perf_counter()
-    result = plan(program, topology, batch, top=1, remats=("full",), precisions=("bfloat16",), stages=(1,),
-                  prepare=after_planning, **({} if context else {"sequence_parallel": (False,)}))
-    chosen = [p for p in result.ranked if (p.candidate.cp > 1) == context]
-    return result, chosen, time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as dump:
+        r = analyze(program, topology, "gpu", batch=batch, dump_dir=dump)
+        with open(f"{dump}/analyzed-gpu.compiled.hlo") as f:
+            segment_loop = loop_tag(1, 1).split("_L")[0] in f.read()
+    return {"candidate": str(candidate), "transforms": [t.name for t in program.grad_transforms],
+            "step_time_s": r["step_time_s"], "mfu": r["mfu"], "exposed_comm_s": r["exposed_comm_s"],
+            "memory_gib": r["memory_per_device_bytes"]["peak_estimate"] / 2**30, "segment_loop_in_hlo": segment_loop,
+            "analytic_step_time_s": next(p.analytic.step_time_s for p in result.ranked if p.candidate == candidate),
+            "seconds": time.perf_counter() - t0}
+
+
+def nano_cp() -> dict:
+    """cosmos3-nano on 16 x 8 H100, 720p rows: the best layout with context parallel and the best
+    without, by the analytic plan (bf16), each compiled."""
+    result, topology, batch = _planned("cosmos3-nano", "h100:16x8", "cosmos3-720p", precisions=("bfloat16",))
+    with_cp = next(p.candidate for p in result.ranked if p.candidate.cp > 1)
+    without = next(p.candidate for p in result.ranked if p.candidate.cp == 1)
+    return {"best": str(result.best.candidate), "with_context": _compiled(result, with_cp, topology, batch),
+            "without_context": _compiled(result, without, topology, batch)}
+
+
+def mid_rows(model: str = "cosmos3-super", topology_spec: str = "h100:4x8") -> dict:
+    """Rows of 74,000 (cosmos3-mid), full recomputation, bf16: the least memory a layout needs
+    where one device holds whole rows and heads (no tensor or context parallel), and the plan."""
+    result, _, _ = _planned(model, topology_spec, "cosmos3-mid", remats=("full",), precisions=("bfloat16",))
+    whole = [p for p in result.ranked + result.unfit if p.candidate.tp == 1 and p.candidate.cp == 1]
+    least = min(whole, key=lambda p: p.analytic.memory_bytes)
+    best_cp = next((p for p in result.ranked if p.candidate.cp > 1), None)
+    row = lambda p: {"candidate": str(p.candidate), "memory_gib": p.analytic.memory_bytes / 2**30,  # noqa: E731
+                     "parts_gib": {k: v / 2**30 for k, v in p.analytic.memory_parts.items()},
+                     "step_time_s": p.analytic.step_time_s}
+    return {"model": model, "topology": topology_spec, "hbm_gib": result.topology.device.hbm_bytes / 2**30,
+            "whole_rows_least": row(least), "planned": row(result.best),
+            "planned_with_context": row(best_cp) if best_cp else None}
 
 
 def main() -> int:
@@ -142,9 +208,28 @@ def main() -> int:
         out["planner"] = p = planner_405b()
         print(f"\nllama3-405b on h100:64x8, 256 x 8,192, analytic: best {p['best']} {p['step_time_s']:.3f} s, "
               f"MFU {p['mfu']:.1%}")
+        n = p["nemo_layout"]
+        print(f"  NVIDIA's layout (row N11) on this job, Megatron's schedule: {n['layout']}: {n['step_time_s']:.3f} s, "
+              f"MFU {n['mfu']:.1%} (bubble {n['breakdown']['pipeline_bubble_s']:.3f} s)")
         for row in p["by_stages"]:
             print(f"  {row['stages']:>2} stage(s): " + (f"#{row['rank']} {row['candidate']}, {row['step_time_s']:.3f} s: "
                                                        f"{row['reason']}" if row["rank"] else row["reason"]))
+    if "nano_cp" in sections:
+        out["nano_cp"] = n = nano_cp()
+        print(f"\ncosmos3-nano on h100:16x8, 720p rows, bf16: analytic best {n['best']}")
+        for label in ("with_context", "without_context"):
+            c = n[label]
+            print(f"  {label:<16} {c['candidate']:<56} compiled {c['step_time_s']:8.3f} s (analytic "
+                  f"{c['analytic_step_time_s']:.3f}), {c['memory_gib']:.1f} GiB, transforms {c['transforms']}, "
+                  f"segment loop in the HLO: {c['segment_loop_in_hlo']}")
+    if "mid_rows" in sections:
+        out["mid_rows"] = m = mid_rows()
+        print(f"\n{m['model']} on {m['topology']}, rows of 74,000, full recomputation, bf16 (HBM {m['hbm_gib']:.1f} GiB)")
+        for label in ("whole_rows_least", "planned", "planned_with_context"):
+            c = m[label]
+            if c:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in c["parts_gib"].items())
+                print(f"  {label:<22} {c['candidate']:<50} {c['memory_gib']:6.1f} GiB ({parts}), {c['step_time_s']:.2f} s")
     if args.json:
         write_json(out, args.json)
     return 0
