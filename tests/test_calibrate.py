@@ -337,7 +337,8 @@ def test_rows_the_compiled_method_cannot_take_fall_back_to_analytic(compiled):
     result = compiled
     by_id = {r["id"]: r for r in result["rows"]}
     assert [r["method"] for r in result["rows"]] == ["compiled", "analytic", "analytic", "analytic", "analytic"]
-    assert by_id["R12"]["reason"] == "pipeline parallel (pp=4): xlaopt does not build pipelines"
+    assert by_id["R12"]["reason"] == ("pipeline parallel (pp=4): the CPU method compiles one micro-batch of an "
+                                      "unstaged layout; --target gpu compiles pipelines")
     assert by_id["R11"]["reason"].startswith("context parallel (cp=2)")
     assert "fp8" in by_id["R06"]["reason"]
     assert by_id["R23"]["reason"].startswith("needs 64 simulated CPU devices, this process has 8")
@@ -374,20 +375,26 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
 def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
     re-priced under other efficiencies without compiling again; an fp8 row compiles with fp8
-    matmuls, saying whose scaling recipe it priced. Pipeline and A100 rows are priced
-    analytically with the reason."""
+    matmuls, saying whose scaling recipe it priced; a pipelined row compiles as xlaopt's GPipe
+    loop and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
+    row. Unequal stages and A100 rows are priced analytically with the reason."""
     small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
              "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
              "micro_batch": "1"}
     rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "precision": "fp8"},
-            {**small, "id": "X4", "gpu": "A100-SXM4-80GB"}]
+            {**small, "id": "X4", "gpu": "A100-SXM4-80GB"}, {**small, "id": "X5", "pp": "2", "fsdp": "1", "layers": "3"},
+            {**small, "id": "X6", "cp": "2", "fsdp": "1"}]
     result = cal.calibrate(cal.read_runs(_write(tmp_path / "runs.csv", rows)), leave_one_out=False,
                            method="compiled", target="gpu")
     by_id = {r["id"]: r for r in result["rows"]}
     assert result["target"] == "gpu" and by_id["X1"]["method"] == "compiled" and by_id["X1"]["predicted"] > 0
     assert by_id["X1"]["breakdown"]["step_time_s"] == pytest.approx(by_id["X1"]["predicted"])  # a step_time_s row
-    assert [by_id[k]["method"] for k in ("X2", "X4")] == ["analytic"] * 2
-    assert "pipeline parallel (pp=2)" in by_id["X2"]["reason"]
+    assert [by_id[k]["method"] for k in ("X4", "X5")] == ["analytic"] * 2
+    assert "pipeline parallel (pp=2): 3 layers do not cut into equal stages" in by_id["X5"]["reason"]
+    assert by_id["X2"]["method"] == "compiled" and by_id["X2"]["approximations"] == [
+        "pipeline compiled as xlaopt's SPMD GPipe loop (1F1B in the row): the bubble is 1 of 4 + 1 ticks, every "
+        "tick's activations held, the embedding and head on every stage's share of the rows"]
+    assert by_id["X6"]["method"] == "compiled" and "Ulysses' all-to-alls" in by_id["X6"]["approximations"][0]
     assert by_id["X3"]["method"] == "compiled" and by_id["X3"]["approximations"] == [
         "fp8 with per-tensor current scaling (the row's: fp8)"]
     assert "needs Hopper" in by_id["X4"]["reason"]

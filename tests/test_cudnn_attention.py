@@ -228,15 +228,23 @@ def test_without_the_cuda_plugin_the_fix_is_named(monkeypatch):
 
 def test_flops_are_per_device_heads_under_tensor_parallelism(tiny_config):
     """The deviceless compile of this layout runs each call on H / 2 heads a device (bf16[1,4,48,32]
-    for the tiny model's 8 heads): the FLOPs given follow the heads the layout splits."""
+    for the tiny model's 8 heads): the FLOPs given follow the heads the layout splits, and under
+    Ulysses the heads each call runs (undivided, nano's 720p step priced 4.29x the model's FLOPs
+    on fsdp=4,context=2 against 1.42x on fsdp=8)."""
     pytest.importorskip("jax_cuda12_plugin", reason="tracing cuDNN attention needs pip install -e '.[gpu-aot]'")
-    from xlaopt.analysis.attention_work import _heads_per_device
+    from xlaopt.analysis.attention_work import _heads_per_call, _heads_per_device
     from xlaopt.pipeline import pipeline, run_pipeline
 
     program = TrainProgram(tiny_config, MeshSpec.parse("fsdp=2,tensor=2"),
                            settings=TrainSettings(batch=BatchShape(2, 48, 96)), execution=CUDNN, target="gpu")
     assert _heads_per_device(program) == tiny_config.num_heads  # no layout yet: nothing split
     assert _heads_per_device(run_pipeline(program, pipeline())[0]) == tiny_config.num_heads // 2
+    # Under Ulysses each call runs on its context rank's share of the heads, in 2 head groups.
+    ulysses = TrainProgram(tiny_config, MeshSpec.parse("fsdp=2,context=2"), settings=program.settings,
+                           execution=CUDNN, target="gpu")
+    laid = run_pipeline(ulysses, pipeline())[0]
+    assert [t.name for t in laid.grad_transforms] == ["ulysses-attention"]
+    assert _heads_per_call(laid) == tiny_config.num_heads // (2 * 2)
 
 
 @needs_devices(8)

@@ -92,12 +92,25 @@ def _heads_per_device(program: TrainProgram) -> int:
     return heads // math.prod(program.mesh.size(a) for a in axes)
 
 
+def _heads_per_call(program: TrainProgram) -> int:
+    """Query heads one fused-attention call runs on a device: its share of the heads, and under
+    Ulysses (whole rows, the heads split over the context ranks and cut into `chunks` groups,
+    one call each) that share's part."""
+    from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform
+
+    heads = _heads_per_device(program)
+    for t in program.grad_transforms:
+        if isinstance(t, UlyssesAttentionTransform):
+            heads //= program.mesh.size(t.axis) * t.chunks
+    return heads
+
+
 def _fused_flops(pairs: float, program: TrainProgram) -> dict[str, float]:
     """Forward and backward FLOPs of one run of a fused-attention call over `pairs` (query, key)
     pairs on one device: 4 H K per pair forward (Q K^T and P V), `BACKWARD_OVER_FORWARD` times that back."""
     from xlaopt.models.cudnn_attention import BACKWARD_OVER_FORWARD, BACKWARD_TARGET, FORWARD_TARGET
 
-    forward = 4.0 * _heads_per_device(program) * program.model.head_dim * pairs
+    forward = 4.0 * _heads_per_call(program) * program.model.head_dim * pairs
     return {FORWARD_TARGET: forward, BACKWARD_TARGET: BACKWARD_OVER_FORWARD * forward}
 
 

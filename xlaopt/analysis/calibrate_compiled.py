@@ -68,7 +68,8 @@ def compile_blocker(priced) -> str:
     anything is traced: the layout, the device count, the precision."""
     run, layout = priced.run, priced.run.layout
     if layout.pp > 1:
-        return f"pipeline parallel (pp={layout.pp}): xlaopt does not build pipelines"
+        return (f"pipeline parallel (pp={layout.pp}): the CPU method compiles one micro-batch of an unstaged "
+                f"layout; --target gpu compiles pipelines")
     if layout.cp > 1:
         return f"context parallel (cp={layout.cp}): xlaopt has no ring attention to build it with"
     if layout.num_devices > MAX_SIMULATED_DEVICES:

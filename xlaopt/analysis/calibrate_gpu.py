@@ -12,8 +12,10 @@ and tensor degrees with the tensor ranks innermost (the frameworks' order), with
 recomputation as its named policy and its sequence parallelism as the rule table's.
 
 A row the GPU target cannot build says why and is priced analytically (`calibrate`): pipeline
-or context parallel (not built yet), a GPU without a target config, an A100 (cuDNN's packed
-attention needs Hopper). An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
+stages that do not hold equal layer counts, context parallel whose heads Ulysses cannot split, a
+GPU without a target config, an A100 (cuDNN's packed attention needs Hopper). A pipelined row
+compiles as xlaopt's SPMD GPipe loop (its micro-batches the row's), context parallel as Ulysses on
+cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
 A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
 and says so among the row's approximations. The schedule is kept, so a row is re-priced under other efficiencies (the leave-one-out refits)
@@ -27,6 +29,7 @@ import time
 from xlaopt.analysis import costmodel as cm
 from xlaopt.errors import UserError
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+from xlaopt.transforms.ulysses_attention import ulysses_split
 
 
 def gpu_blocker(priced) -> str:
@@ -36,12 +39,18 @@ def gpu_blocker(priced) -> str:
     layout = priced.run.layout
     if not gpu_aot.available():
         return "the GPU target needs xlaopt[gpu-aot] (jax-cuda12-plugin)"
-    if layout.pp > 1:
-        return f"pipeline parallel (pp={layout.pp}): xlaopt does not build pipelines yet"
-    if layout.cp > 1:
-        return f"context parallel (cp={layout.cp}): not built on cuDNN attention yet"
+    shape = priced.run.shape
     if layout.micro_batches != int(layout.micro_batches):
         return f"{layout.micro_batches:g} micro-batches per step: not a whole number"
+    if layout.pp > 1 and shape.layers % layout.pp:
+        return (f"pipeline parallel (pp={layout.pp}): {shape.layers} layers do not cut into equal stages, the only "
+                f"kind xlaopt builds")
+    if layout.pp > 1 and layout.micro_batches % layout.pp:
+        return (f"pipeline parallel (pp={layout.pp}): {layout.micro_batches:g} micro-batches are not a multiple of "
+                f"the stages")
+    if layout.cp > 1 and ulysses_split(shape.heads, shape.kv_heads, layout.tp, layout.cp) is None:
+        return (f"context parallel (cp={layout.cp}): Ulysses cannot split {shape.heads // layout.tp} query heads a "
+                f"tensor rank over it")
     try:
         key = gpu_aot.device_key(priced.topology)
     except UserError as e:
@@ -53,8 +62,8 @@ def gpu_blocker(priced) -> str:
 
 
 def mesh_for(layout) -> MeshSpec:
-    return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, data=max(layout.dp, 1), fsdp=max(layout.fsdp, 1),
-                       tensor=layout.tp)
+    return MeshSpec.of(DEVICE_ORDER_TENSOR_INNER, stage=layout.pp, data=max(layout.dp, 1), fsdp=max(layout.fsdp, 1),
+                       tensor=layout.tp, context=layout.cp)
 
 
 def approximations(priced) -> list[str]:
@@ -67,6 +76,14 @@ def approximations(priced) -> list[str]:
         notes.append(f"optimizer state replicated over dp={layout.dp} (the row shards it)")
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
+    if layout.pp > 1:
+        ran = f"interleaved 1F1B with {layout.virtual_stages} virtual stages" if layout.virtual_stages > 1 else "1F1B"
+        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop ({ran} in the row): the bubble is "
+                     f"{layout.pp - 1} of {layout.micro_batches:g} + {layout.pp - 1} ticks, every tick's activations "
+                     f"held, the embedding and head on every stage's share of the rows")
+    if layout.cp > 1:
+        notes.append("context parallel compiled as Ulysses' all-to-alls around cuDNN on whole rows (the row's "
+                     "framework passes K and V round a ring)")
     if sw.tp_overlap and layout.tp > 1:
         notes.append("the framework overlaps tensor-parallel communication with its matmuls; XLA's schedule "
                      "overlaps what its latency-hiding scheduler finds")
@@ -114,6 +131,9 @@ def compile_gpu_step(priced) -> GpuStep | str:
     execution = dataclasses.replace(execution_for(sw.recompute, "kernel"), attention="cudnn",
                                     micro_batches=int(layout.micro_batches),
                                     matmuls="fp8" if sw.fp8_linear else "compute")
+    if layout.pp > 1:  # the row's micro-batches run through the stages in one accumulation step
+        execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
+                                        pipeline_microbatches=int(layout.micro_batches))
     try:
         program = TrainProgram(decoder_config(run), mesh, rules=rules, target="gpu", execution=execution,
                                settings=TrainSettings(batch=BatchShape(layout.global_batch, layout.seq_len, 0)))
