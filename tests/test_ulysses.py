@@ -57,7 +57,7 @@ def test_the_layer_loop_all_to_alls_come_in_independent_head_groups():
     program = TrainProgram(LLAMA_TINY, MeshSpec.parse("data=2,context=2"), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=FP32)
     laid, records = _laid_out(program)
-    assert records["ulysses-attention"].report == {"context": 2, "chunks": 2}
+    assert records["ulysses-attention"].report == {"context": 2, "chunks": 2, "kv_repeat": 1}
     comps, _ = parse(compile_program(laid).train_step.as_text())
     bodies = [ins for ins in comps.values() if sum(i.opcode == "all-to-all" for i in ins) == 8]
     assert bodies, "no layer loop body with 8 all-to-alls"
