@@ -92,10 +92,13 @@ def test_the_pass_says_why_it_does_not_apply():
             in reason("data=2,context=4", two_heads))
 
 
-def test_on_the_gpu_target_it_is_faster_and_every_all_to_all_holds_compute(tmp_path):
+def test_on_the_gpu_target_it_is_faster_and_the_all_to_alls_hide_behind_compute(tmp_path):
     """llama3-8b's shapes (two layers), fsdp=4 x context=2, rows of 8,192, segment attention:
     XLA's own sequence split gathers keys and values and leaves much of it exposed; the all-to-all
-    version is faster on the priced schedule and XLA puts compute inside every all-to-all."""
+    version is faster on the priced schedule, XLA puts compute inside nearly every all-to-all and
+    less than half their time is exposed. (Two of 49 open their loop body with nothing before them
+    to hide behind, 0.036 ms each; before the transform went manual over the rows too, every one
+    held an op or more, but the all-to-alls took 3.4x as long and 4.5x as much was exposed.)"""
     pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
     from xlaopt.analysis.analyze import analyze
 
@@ -111,7 +114,9 @@ def test_on_the_gpu_target_it_is_faster_and_every_all_to_all_holds_compute(tmp_p
         windows[label] = compute_inside_async((tmp_path / label / "analyzed-gpu.compiled.hlo").read_text(), "all-to-all")
     assert priced["ulysses"]["step_time_s"] < priced["xla"]["step_time_s"]
     assert priced["ulysses"]["exposed_comm_s"] < priced["xla"]["exposed_comm_s"] / 4
-    assert windows["ulysses"] and min(windows["ulysses"]) >= 1, windows["ulysses"]
+    assert sum(w >= 1 for w in windows["ulysses"]) >= 0.9 * len(windows["ulysses"]), windows["ulysses"]
+    a2a = [c for c in priced["ulysses"]["collectives"] if c["kind"] == "all-to-all"]
+    assert sum(c["exposed_s"] for c in a2a) < 0.5 * sum(c["time_s"] for c in a2a)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp=2,context=2", "tensor=2,context=4", "stage=2,fsdp=2,context=2"])
