@@ -22,6 +22,7 @@ from xlaopt.errors import UserError
 from xlaopt.models.attention import ATTENTION, AttentionSpec
 from xlaopt.models.cudnn_attention import MAX_SEGMENTS
 from xlaopt.models.fp8 import MATMULS
+from xlaopt.models.pipeline import check_schedule
 from xlaopt.models.registry import parse_assignments
 from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.stack import STRATEGIES, StackSpec
@@ -56,6 +57,7 @@ class ExecutionConfig:
     # layer_stack=pipeline: the micro-batches each accumulation step's rows are cut into for the
     # pipeline's stages (0: one per stage; else a multiple of the stages)
     pipeline_microbatches: int = 0
+    pipeline_schedule: str = "gpipe"  # layer_stack=pipeline: `xlaopt.models.pipeline.SCHEDULES`
     # layer_stack=pipeline: each stage's FSDP-split weights gathered once a step (and their
     # gradients reduce-scattered once) instead of at every tick; costs the stage's whole weights
     pipeline_weights_once: bool = False
@@ -73,6 +75,10 @@ class ExecutionConfig:
         for field in ("attention_block", "attention_max_segments", "micro_batches", "loss_scale_growth_interval"):
             if getattr(self, field) < 1:
                 raise UserError(f"execution setting {field}={getattr(self, field)} must be at least 1")
+        try:
+            check_schedule(self.pipeline_schedule)
+        except ValueError as e:
+            raise UserError(f"execution setting pipeline_schedule: {e}") from None
         if self.pipeline_microbatches < 0:
             raise UserError(f"execution setting pipeline_microbatches={self.pipeline_microbatches} must be 0 (one "
                             f"per stage) or a positive multiple of the mesh's stages")

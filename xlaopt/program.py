@@ -180,7 +180,7 @@ class TrainProgram:
         stages = self.mesh.size(STAGE)
         if self.execution.layer_stack != "pipeline" or stages == 1:
             return None
-        return PipelineSchedule(stages, self.execution.pipeline_microbatches or stages)
+        return PipelineSchedule(stages, self.execution.pipeline_microbatches or stages, self.execution.pipeline_schedule)
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)
