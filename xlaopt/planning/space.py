@@ -152,8 +152,9 @@ def _meshes(num_devices: int, devices_per_node: int, stages: tuple[int, ...]):
 
 
 def pipeline_stages(nodes: int) -> tuple[int, ...]:
-    """The stage counts the planner tries by default: those that give each stage whole nodes
-    (a stage boundary inside a node would spend its fast links on one send a tick)."""
+    """The stage counts the planner tries by default: those that give each stage whole nodes.
+    A stage hands on one activation a tick, point to point, which crosses the network well; the
+    links inside a node are kept for tensor and context parallelism (Megatron's placement)."""
     return tuple(_divisors(nodes))
 
 
