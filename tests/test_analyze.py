@@ -139,12 +139,16 @@ def test_analyze_float16_step(tmp_path):
     ([], "cpu", "dense"),
     (["--exec", "attention=dense"], "gpu", "dense"),  # asked for: kept
     (["--exec", "attention=segment"], "gpu", "segment"),
-    (["--mesh", "context=2,fsdp=4"], "gpu", "dense"),  # a split sequence, which cuDNN's attention refuses
+    # A split sequence, which cuDNN's attention refuses, reaches it through Ulysses where the heads
+    # split over context; where they do not (2 query heads a tensor rank, context 4) it is dense.
+    (["--mesh", "context=2,fsdp=4"], "gpu", "cudnn"),
+    (["--mesh", "context=4,tensor=4"], "gpu", "dense"),
 ])
 def test_a_target_defaults_to_the_attention_the_planner_runs_there(tiny_config, argv, target, attention):
     from xlaopt.analysis.analyze import _attention_used
     from xlaopt.cli import build_parser, programs
     from xlaopt.cli.requests import ProgramRequest
+    from xlaopt.program import cudnn_takes_sequence
 
     args = build_parser().parse_args(["analyze", "--model", "cosmos3-tiny", "--topology", "h100:1x8",
                                       "--target", target, "--mesh", "fsdp=8", *argv])
@@ -153,7 +157,8 @@ def test_a_target_defaults_to_the_attention_the_planner_runs_there(tiny_config, 
                                target=target)
     assert program.execution.attention == attention
     # The report names what it priced and whether that is the target's default.
-    default = "cudnn" if target == "gpu" and not program.sequence_axes else "dense"
+    default = "cudnn" if target == "gpu" and cudnn_takes_sequence(tiny_config, program.mesh, program.sequence_axes) \
+        else "dense"
     said = _attention_used({"target": target, "attention": {"impl": attention, "target_default": default}})
     assert said.startswith(attention)
     assert ("(the " + target + " target's default)" in said) == (attention == default), said

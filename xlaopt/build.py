@@ -13,7 +13,7 @@ from xlaopt.execution import ExecutionConfig, target_attention
 from xlaopt.families import family_of
 from xlaopt.layout import Layout, load_layout
 from xlaopt.mesh import MeshSpec
-from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.program import TrainProgram, TrainSettings, cudnn_takes_sequence
 from xlaopt.sharding import sequence_axes, with_sequence_parallel
 from xlaopt.transforms.compiler_options import CompilerOptions
 
@@ -58,13 +58,15 @@ def choose_layout(mesh: str | MeshSpec, layout_file: str | os.PathLike | None, m
     return dataclasses.replace(layout, rules=with_sequence_parallel(layout.rules))
 
 
-def default_execution(layout: Layout, target: str) -> ExecutionConfig:
-    """The execution a program on `layout` for `target` runs where nothing says otherwise: the
-    layout file's, else `ExecutionConfig()` with the target's attention (the planner's choice
-    there: cuDNN on a GPU), so a compile for the GPU prices what the job would run."""
+def default_execution(layout: Layout, target: str, config) -> ExecutionConfig:
+    """The execution a program of `config` on `layout` for `target` runs where nothing says
+    otherwise: the layout file's, else `ExecutionConfig()` with the target's attention (the
+    planner's choice there: cuDNN on a GPU, through Ulysses on a context split where it can
+    take it), so a compile for the GPU prices what the job would run."""
     if layout.execution is not None:
         return layout.execution
-    return ExecutionConfig(attention=target_attention(target, bool(sequence_axes(layout.rules, layout.mesh))))
+    seq_axes = sequence_axes(layout.rules, layout.mesh)
+    return ExecutionConfig(attention=target_attention(target, not cudnn_takes_sequence(config, layout.mesh, seq_axes)))
 
 
 def build_program(config, layout: Layout | None = None, batch: BatchShape | None = None,
@@ -81,5 +83,5 @@ def build_program(config, layout: Layout | None = None, batch: BatchShape | None
     if nonfinite is not None:
         settings = dataclasses.replace(settings, nonfinite=nonfinite)
     return TrainProgram(config, layout.mesh, rules=layout.rules, settings=settings,
-                        execution=execution or default_execution(layout, target), target=target,
+                        execution=execution or default_execution(layout, target, config), target=target,
                         compiler_options=compiler_options or CompilerOptions())

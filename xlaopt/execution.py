@@ -38,7 +38,8 @@ TARGET_ATTENTION = {"cpu": "dense", "gpu": "cudnn"}
 def target_attention(target: str, splits_sequence: bool = False) -> str:
     """The attention the planner runs on `target`, what a program built for it runs unless told
     otherwise, and what `analyze` reports against. jax 0.10.2's cuDNN attention refuses a split
-    sequence (a layout the planner never picks on a GPU), so such a layout keeps dense."""
+    sequence that Ulysses cannot hand it whole (`program.cudnn_takes_sequence`): such a layout
+    (`splits_sequence`) keeps dense."""
     return "dense" if splits_sequence else TARGET_ATTENTION[target]
 
 

@@ -89,6 +89,17 @@ class ProgramShardings:
         return dict(self.batch_items)
 
 
+def cudnn_takes_sequence(model, mesh: MeshSpec, seq_axes: tuple[str, ...]) -> bool:
+    """Whether cuDNN's attention can run on rows whose sequence `mesh` splits over `seq_axes`:
+    unsplit, or split over context alone where Ulysses can hand each rank whole rows with a
+    share of the heads (`ulysses_split`)."""
+    if not seq_axes:
+        return True
+    heads, kv_heads = getattr(model, "num_heads", 0), getattr(model, "num_kv_heads", 0)
+    return seq_axes == ("context",) and ulysses_split(heads, kv_heads, mesh.size("tensor"),
+                                                      mesh.size("context")) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
     model: Any  # a registered model config (see xlaopt.models.registry)
@@ -130,17 +141,16 @@ class TrainProgram:
         share of the heads; the ulysses-attention pass), which needs whole kv heads on each
         context rank. That the transform is there is checked when the program compiles."""
         seq_axes = self.sequence_axes
-        if not seq_axes:
+        if cudnn_takes_sequence(self.model, self.mesh, seq_axes):
             return
         context, tensor = self.mesh.size("context"), self.mesh.size("tensor")
         heads, kv_heads = getattr(self.model, "num_heads", 0), getattr(self.model, "num_kv_heads", 0)
-        if seq_axes != ("context",) or ulysses_split(heads, kv_heads, tensor, context) is None:
-            works = [c for c in range(1, heads // tensor + 1) if ulysses_split(heads, kv_heads, tensor, c)]
-            raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
-                            f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
-                            f"a sharded sequence, and Ulysses (whole rows, heads split over context) needs the "
-                            f"{heads // tensor} query heads of each tensor rank to split over context={context}; "
-                            f"use a context size of {', '.join(map(str, works)) or 'none'}, or attention=segment")
+        works = [c for c in range(1, heads // tensor + 1) if ulysses_split(heads, kv_heads, tensor, c)]
+        raise UserError(f"execution setting attention=cudnn cannot split a row's sequence (mesh {self.mesh} "
+                        f"splits it over {','.join(seq_axes)}): jax {jax.__version__}'s cuDNN attention refuses "
+                        f"a sharded sequence, and Ulysses (whole rows, heads split over context) needs the "
+                        f"{heads // tensor} query heads of each tensor rank to split over context={context}; "
+                        f"use a context size of {', '.join(map(str, works)) or 'none'}, or attention=segment")
 
     def _check_pipeline(self) -> None:
         stages, execution = self.mesh.size(STAGE), self.execution

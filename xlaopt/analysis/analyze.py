@@ -29,7 +29,7 @@ from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, target_attention
 from xlaopt.mesh import MAX_SIMULATED_DEVICES, MESH_AXES
-from xlaopt.program import TrainProgram
+from xlaopt.program import TrainProgram, cudnn_takes_sequence
 
 
 def check_fits(program: TrainProgram, topology: Topology) -> None:
@@ -151,7 +151,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
 
 def _attention_json(program: TrainProgram, target: str, work) -> dict:
-    return {"impl": program.execution.attention, "target_default": target_attention(target, bool(program.sequence_axes)),
+    return {"impl": program.execution.attention, "target_default": target_attention(
+        target, not cudnn_takes_sequence(program.model, program.mesh, program.sequence_axes)),
             "block": program.execution.attention_block,
             "pairs_needed_per_layer": work.pairs_needed, "pairs_executed_per_layer": work.pairs_executed,
             "pair_loop_trips_busiest_device": work.loop_trips, "pair_loop_trips_mean_device": work.mean_loop_trips,

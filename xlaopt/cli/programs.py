@@ -74,7 +74,7 @@ def compute_dtype(request: ProgramRequest, layout: Layout) -> str:
 def program(request: ProgramRequest, config, layout: Layout, batch: BatchShape, *, target: str = "cpu",
             learning_rate: float | None = None, nonfinite: str | None = None):
     """The program of the model, layout and batch, with the request's settings."""
-    base = dataclasses.replace(default_execution(layout, target), compute_dtype=compute_dtype(request, layout))
+    base = dataclasses.replace(default_execution(layout, target, config), compute_dtype=compute_dtype(request, layout))
     return build_program(config, layout, batch, parse_execution(request.execution_settings, base),
                          seed=request.seed, learning_rate=learning_rate, nonfinite=nonfinite, target=target,
                          compiler_options=CompilerOptions.parse(request.xla_options))
