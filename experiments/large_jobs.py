@@ -32,6 +32,7 @@ import time
 from layout_planner import write_json  # experiments/ is the script's path
 
 BUBBLE_MODEL, BUBBLE_TOPOLOGY, BUBBLE_MESH, ROWS_PER_MICRO_BATCH, SEQ = "llama3-8b", "h100:2x8", "stage=2,tensor=8", 8, 4096
+STAGE_MESH, STAGE_TOPOLOGY = "tensor=8", "h100:1x8"  # one stage of BUBBLE_MESH, unpipelined
 
 
 def _analyze(model, mesh, topology, batch, execution, sequence_parallel=False, dump=None, overrides=None):
@@ -50,9 +51,8 @@ def _stage_reference_s() -> float:
     """One micro-batch (8 rows) forward and backward through one stage's 16 layers, unpipelined:
     the layer loops' time (a loop XLA peeled iterations off is scaled to all 16 layers)."""
     layers = 16
-    _, r = _analyze(BUBBLE_MODEL, BUBBLE_MESH.split(",")[1], BUBBLE_TOPOLOGY.split(":")[0] + ":1x8",
-                    (ROWS_PER_MICRO_BATCH, SEQ, 0), {"remat": "full", "attention": "cudnn"}, sequence_parallel=True,
-                    overrides={"num_layers": layers})
+    _, r = _analyze(BUBBLE_MODEL, STAGE_MESH, STAGE_TOPOLOGY, (ROWS_PER_MICRO_BATCH, SEQ, 0),
+                    {"remat": "full", "attention": "cudnn"}, sequence_parallel=True, overrides={"num_layers": layers})
     loops = [loop for loop in r["schedule"]["loops"] if loop.get("ops") and loop["trip_count"] >= layers - 2]
     return sum(loop["time_s"] * layers / loop["trip_count"] for loop in loops)
 

@@ -51,7 +51,7 @@ class AnalyticPrice:
     memory_parts: dict
 
 
-def software(candidate: Candidate, target: str, heads: int = 0, kv_heads: int = 0) -> analytic.Software:
+def software(candidate: Candidate, target: str, heads: int, kv_heads: int) -> analytic.Software:
     """How xlaopt's program of `candidate` runs (`heads`, `kv_heads`: the model's, which decide
     whether the ulysses-attention pass takes context parallel)."""
     fp8 = candidate.matmuls == "fp8"
