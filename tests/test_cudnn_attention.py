@@ -121,15 +121,22 @@ def _segment_mask(s, L: int, S: int, causal: bool) -> jax.Array:
     return jnp.any(inside & (~causal | (k - k0 <= l - q0)), axis=-1)
 
 
-def test_attention_over_the_segments_equals_dense(tiny_config, synthetic_batch):
-    """The reference path minus the kernel: the segments and key order fed to masked attention
-    give dense attention's outputs at every position, padding included."""
-    H, N, K = tiny_config.num_heads, tiny_config.num_kv_heads, tiny_config.head_dim
-    rng = np.random.default_rng(0)
-    for q_tok, k_tok in family_of(tiny_config).attention_calls(synthetic_batch):
+def _calls_with_inputs(config, batch, seed: int):
+    """Each attention call of `batch` with random q [B, L, H, K] and k, v [B, S, N, K] (float32)."""
+    H, N, K = config.num_heads, config.num_kv_heads, config.head_dim
+    rng = np.random.default_rng(seed)
+    for q_tok, k_tok in family_of(config).attention_calls(batch):
         (B, L), S = q_tok.segment_BL.shape, k_tok.segment_BL.shape[1]
         q = jnp.asarray(rng.standard_normal((B, L, H, K)), jnp.float32)
         k, v = (jnp.asarray(rng.standard_normal((B, S, N, K)), jnp.float32) for _ in range(2))
+        yield q_tok, k_tok, q, k, v
+
+
+def test_attention_over_the_segments_equals_dense(tiny_config, synthetic_batch):
+    """The reference path minus the kernel: the segments and key order fed to masked attention
+    give dense attention's outputs at every position, padding included."""
+    for q_tok, k_tok, q, k, v in _calls_with_inputs(tiny_config, synthetic_batch, seed=0):
+        (B, L), S = q_tok.segment_BL.shape, k_tok.segment_BL.shape[1]
         if L == S:
             segments, order = causal_segments(q_tok, 8), jnp.broadcast_to(jnp.arange(S), (B, S))
         else:
@@ -264,12 +271,7 @@ def test_inside_a_partly_manual_shard_map_the_call_runs_manual_over_every_axis(t
 
     monkeypatch.setattr(lib, "_fused", kernel)
     mesh = make_mesh(MeshSpec.parse("stage=2,data=2,tensor=2"))
-    H, N, K = tiny_config.num_heads, tiny_config.num_kv_heads, tiny_config.head_dim
-    rng = np.random.default_rng(1)
-    for q_tok, k_tok in family_of(tiny_config).attention_calls(synthetic_batch):
-        (B, L), S = q_tok.segment_BL.shape, k_tok.segment_BL.shape[1]
-        q = jnp.asarray(rng.standard_normal((B, L, H, K)), jnp.float32)
-        k, v = (jnp.asarray(rng.standard_normal((B, S, N, K)), jnp.float32) for _ in range(2))
+    for q_tok, k_tok, q, k, v in _calls_with_inputs(tiny_config, synthetic_batch, seed=1):
         whole = lib.cudnn_attention(q, k, v, q_tok, k_tok, max_segments=8)
         staged = jax.shard_map(lambda *a: lib.cudnn_attention(*a, max_segments=8), mesh=mesh,
                                in_specs=PartitionSpec(), out_specs=PartitionSpec(), axis_names={"stage"},
