@@ -2,17 +2,20 @@
 import dataclasses
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from xlaopt.cli import main
+from xlaopt.compile import compile_program
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MeshSpec
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
-from xlaopt.runtime.verify import compare, one_step_grads
+from xlaopt.runtime.verify import compare, initial_params, one_step_grads
 from xlaopt.transforms import GradTransform
 
-from conftest import SMALL, needs_devices
+from conftest import COSMOS3_TINY, LLAMA_TINY, SMALL, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
 
@@ -34,6 +37,26 @@ def test_sharded_matches_single_device(tiny_config, reference, mesh):
     result = compare(_grads(tiny_config, mesh), reference, "float32")
     assert result["ok"], result
     assert result["max_rel_diff_grads"] > 0 or mesh == "data=8"  # partitioning really reordered sums
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("config, mesh, execution", [
+    (COSMOS3_TINY, "fsdp=4,tensor=2", FP32),
+    (LLAMA_TINY, "stage=2,fsdp=2,tensor=2", dataclasses.replace(FP32, layer_stack="pipeline")),
+], ids=["cosmos3-fsdp-tensor", "llama-pipeline"])
+def test_a_sharded_init_makes_one_devices_parameters_bit_for_bit(config, mesh, execution):
+    """verify starts every program it compares from one device's initial parameters
+    (`initial_params`), while a training run makes its own on its mesh: those are the same
+    parameters, bit for bit (JAX's partitionable threefry), also with the layers split over stages."""
+    program, _ = run_pipeline(TrainProgram(config, MeshSpec.parse(mesh), execution=execution), pipeline())
+    key = jax.random.fold_in(jax.random.key(program.settings.seed), 0)
+    params = compile_program(program).init(key).params
+    assert any(not leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(params))
+    ours = jax.tree_util.tree_flatten_with_path(params)[0]
+    single = jax.tree.leaves(initial_params(program))
+    assert len(ours) == len(single)
+    for (path, a), b in zip(ours, single):
+        assert np.asarray(a).dtype == b.dtype and np.asarray(a).tobytes() == b.tobytes(), jax.tree_util.keystr(path)
 
 
 @needs_devices(8)

@@ -41,7 +41,8 @@ class ProgramCache:
         """(shape, logical axes) of every activation the traced gradient function constrains."""
         from xlaopt import step
 
-        key = ("activations", program.model, program.settings, program.execution, program.grad_transforms)
+        key = ("activations", program.model, program.mesh, program.settings, program.execution,
+               program.grad_transforms)
         return self._get(key, lambda: step.traced_activation_axes(program))
 
 

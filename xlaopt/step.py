@@ -224,6 +224,14 @@ def abstract_params_with_axes(program: TrainProgram):
 
 
 def abstract_state(program: TrainProgram) -> TrainState:
+    # The state depends on the model, settings, execution and target only: programs that differ in their
+    # layout (every candidate of a planner, every mesh of a test) share one trace a process.
+    return _abstract_state(TrainProgram(program.model, settings=program.settings, execution=program.execution,
+                                        target=program.target))
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_state(program: TrainProgram) -> TrainState:
     return jax.eval_shape(build_init(program), jax.random.key(0))
 
 
@@ -232,10 +240,19 @@ def param_count(program: TrainProgram) -> int:
     return int(sum(np.prod(p.shape, dtype=np.int64) for p in jax.tree.leaves(params)))
 
 
-def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...], tuple, tuple[str, ...]]]:
+def traced_activation_axes(program: TrainProgram) -> tuple[tuple[tuple[int, ...], tuple, tuple[str, ...]], ...]:
     """(shape, logical axes, manual mesh axes) of every activation the model constrains, found by
     tracing the gradient function abstractly with a recording constraint. Inside a rewrite's
     shard_map (manual axes named) the shape is one device's part along those axes."""
+    # What the trace reads: the model, settings, execution, grad transforms and the mesh's sizes
+    # (a rewrite's shard_map), not the layout; a pipeline run twice traces once a process.
+    return _traced_activation_axes(TrainProgram(program.model, program.mesh, settings=program.settings,
+                                                execution=program.execution, target=program.target,
+                                                grad_transforms=program.grad_transforms))
+
+
+@functools.lru_cache(maxsize=64)
+def _traced_activation_axes(program: TrainProgram):
     seen: dict = {}
 
     def record(x, axes):
@@ -248,4 +265,4 @@ def traced_activation_axes(program: TrainProgram) -> list[tuple[tuple[int, ...],
     mesh = AbstractMesh(program.mesh.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     with activation_constraint(record), jax.sharding.use_abstract_mesh(mesh):
         jax.eval_shape(build_grad_fn(program), params, abstract_batch(program), jax.random.key(0))
-    return list(seen)
+    return tuple(seen)

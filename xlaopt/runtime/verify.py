@@ -1,7 +1,10 @@
 """Sharded equals single-device: one gradient computation on a mesh against one device.
 
 Both runs build the same program (same seed, same batch, same noise key) and differ only
-in the mesh. Tolerances come from the compute dtype's rounding, because partitioning
+in the mesh. Both start from the same parameters, the model's initial ones made once a process
+on one device and placed on each program's shardings (`initial_params`): the comparison is of
+the step, and a sharded init making the same parameters bit for bit is a test of its own
+(tests/test_verify.py). Tolerances come from the compute dtype's rounding, because partitioning
 legitimately reorders sums (tensor-parallel partial sums, cross-shard gradient
 reductions) and nothing else:
   float32 (default): loss within 1e-5 relative and every gradient leaf within 1e-4 in
@@ -37,6 +40,7 @@ reductions) and nothing else:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -74,10 +78,26 @@ def reference_program(program: TrainProgram) -> TrainProgram:
     return program.replace(mesh=MeshSpec(), shardings=None, execution=execution)
 
 
+def initial_params(program: TrainProgram):
+    """The model's initial parameters for `program`'s seed (host arrays), as its reference's init
+    makes them on one device; computed once a process for every program sharing the model,
+    settings and reference execution, so the programs compared with each other compile one init."""
+    reference = reference_program(program)
+    return _initial_params(TrainProgram(reference.model, settings=reference.settings, execution=reference.execution,
+                                        target=reference.target))
+
+
+@functools.lru_cache(maxsize=8)
+def _initial_params(program: TrainProgram):
+    key = jax.random.key(program.settings.seed)
+    return jax.tree.map(np.asarray, compile_program(program).init(jax.random.fold_in(key, 0)).params)
+
+
 def one_step_grads(program: TrainProgram):
+    """The first step's (loss, gradients) of `program`, from `initial_params` placed on its shardings."""
     compiled = compile_program(program)
     key = jax.random.key(program.settings.seed)
-    params = compiled.init(jax.random.fold_in(key, 0)).params
+    params = jax.device_put(initial_params(program), compiled.state_shardings.params)
     batch = family_of(program.model).synthetic(program.model, program.settings.batch, program.settings.seed).batch(0)
     loss, _, grads = compiled.grads(params, compiled.put_batch(batch), jax.random.fold_in(key, 1))
     return float(loss), jax.tree.map(np.asarray, grads)
