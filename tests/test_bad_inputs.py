@@ -50,6 +50,8 @@ def plan(topology: str = "h100:1x8", model: str = "llama-tiny") -> list[str]:
 
 
 PLAN = plan()
+GOODPUT = ["goodput", "plan", "--gpus", "1024", "--step-s", "1", "--save-s", "30", "--restore-s", "60", "--startup-s", "90",
+           "--gap-s", "30", "--seeds", "2"]
 ANALYZE = ["analyze", *LLAMA, "--topology", "h100:1x8"]
 
 
@@ -281,6 +283,15 @@ ROWS = [
     Row("samples-zero", RANGE, "`data make DIR --samples 0`",
         lambda w: ["data", "make", str(w.tmp / "new"), "--samples", "0"], "--samples 0: need at least one sample",
         UNCHANGED + "; DIR not created"),
+    Row("goodput-mtbf-zero", RANGE, "`goodput plan --mtbf 0`", lambda w: [*GOODPUT, "--mtbf", "0"],
+        "--mtbf 0: an MTBF per GPU must be between 10 and 1e+08 hours", UNCHANGED),
+    Row("goodput-mtbf-negative", RANGE, "`goodput plan --mtbf -5`", lambda w: [*GOODPUT, "--mtbf=-5"],
+        "--mtbf -5: an MTBF per GPU must be between 10 and 1e+08 hours", UNCHANGED),
+    Row("goodput-mtbf-absurd", RANGE, "`goodput plan --mtbf 1e12` (hours per GPU)", lambda w: [*GOODPUT, "--mtbf", "1e12"],
+        "give hours per GPU, not per job", UNCHANGED),
+    Row("goodput-interval-shorter-than-save", RANGE, "`goodput plan --step-s 1 --save-s 30 --every 20`",
+        lambda w: [*GOODPUT, "--every", "20"],
+        "--every 20: 20 steps take 20 s, not more than one save (30 s); give at least 31 steps", UNCHANGED),
     Row("plan-stages-not-dividing-devices", RANGE, "`plan --stages 3 --topology h100:1x8`",
         lambda w: [*PLAN, "--stages", "3"],
         "pipeline stages 3: a stage count must divide the 8 devices of h100:1x8 (1, 2, 4, 8 do)", UNCHANGED),

@@ -20,6 +20,8 @@ import pathlib
 import statistics
 import time
 
+from xlaopt.errors import UserError
+
 LEDGER = "goodput.jsonl"
 
 
@@ -57,6 +59,14 @@ class Ledger:
         if self._file is not None:
             self._file.flush()
         return [event for line in self.path.read_text().splitlines() if (event := _parse(line)) is not None]
+
+
+def read(directory: str) -> list[dict]:
+    """The ledger a run kept in its checkpoint directory, every attempt's events."""
+    path = pathlib.Path(directory) / LEDGER
+    if not path.is_file():
+        raise UserError(f"--ledger {directory}: no {LEDGER} there; give the --ckpt directory of an `xlaopt train` run")
+    return [event for line in path.read_text().splitlines() if (event := _parse(line)) is not None]
 
 
 def process_start_time() -> float:

@@ -1,0 +1,131 @@
+"""The checkpoint interval planned from a job's costs and failure rate (`xlaopt goodput plan`):
+Daly's interval and goodput against the discrete-event simulation of the same job, time that adds
+up, two tiers, costs read from a real run's ledger, and the command."""
+import json
+import math
+
+import pytest
+
+from xlaopt.cli import main
+from xlaopt.errors import UserError
+from xlaopt.goodput.costs import JobCosts, job_costs
+from xlaopt.goodput.failures import LLAMA3, FailureModel, failure_model
+from xlaopt.goodput.interval import Intervals, daly_s, expected_goodput, plan_intervals, young_s
+from xlaopt.goodput.simulate import CAUSES, simulate, simulate_many
+
+HOUR = 3600.0
+# A job that fails every 2 hours (8 GPUs of 16 h each), with a minute's save and 5 minutes' restart.
+COSTS = JobCosts(step_s=1.0, save_s=60.0, restore_s=120.0, startup_s=150.0, gap_s=30.0)
+FAILURES = FailureModel(16.0)
+MTBF_S = FAILURES.job_mtbf_s(8)
+
+
+def test_the_planned_interval_is_dalys_and_the_simulation_gives_dalys_goodput():
+    """Daly's closed form assumes exponential failures, restarts that can fail, and a long run: the
+    simulation of 1,000 hours gives its goodput within half a point at every interval, and the
+    planned interval (Daly's, within Young's first order) beats half and twice itself."""
+    assert MTBF_S == 2 * HOUR
+    planned, loss = plan_intervals(COSTS, FAILURES, 8)
+    assert planned == Intervals(round(daly_s(60.0, MTBF_S)), None) and loss == 1.0
+    assert daly_s(60.0, MTBF_S) == pytest.approx(young_s(60.0, MTBF_S), rel=0.05)
+    simulated = {}
+    for every in (planned.every // 2, planned.every, planned.every * 2):
+        intervals = Intervals(every)
+        simulated[every] = simulate_many(COSTS, intervals, MTBF_S, 1000 * HOUR, seeds=8)["goodput"]
+        assert simulated[every] == pytest.approx(expected_goodput(COSTS, intervals, MTBF_S), abs=0.005)
+    assert simulated[planned.every] > max(simulated[planned.every // 2], simulated[planned.every * 2])
+
+
+def test_a_simulated_run_accounts_for_every_second():
+    costs = JobCosts(step_s=2.0, save_s=30.0, restore_s=300.0, startup_s=200.0, gap_s=60.0,
+                     local_save_s=3.0, local_restore_s=20.0)
+    run = simulate(costs, Intervals(600, 60), MTBF_S, 200 * HOUR, seed=1, local_loss=0.3)
+    assert run["restarts"] > 50 and set(run["badput"]) == set(CAUSES)
+    assert all(v >= 0 for v in run["badput"].values())
+    assert run["productive_s"] + sum(run["badput"].values()) == pytest.approx(run["wall_s"], rel=1e-9)
+    assert run["productive_s"] % costs.step_s == pytest.approx(0, abs=1e-6)  # whole steps, kept
+
+
+def test_a_local_tier_copied_to_a_peer_serves_nearly_every_restart():
+    """With a cheap local tier the job saves often and restarts from it; only a node and its peer
+    failing together sends it to the persistent tier. Without the peer copy every failure does."""
+    two = JobCosts(step_s=1.0, save_s=60.0, restore_s=120.0, startup_s=150.0, gap_s=30.0,
+                   local_save_s=2.0, local_restore_s=10.0)
+    planned, loss = plan_intervals(two, FAILURES, 8, gpus_per_node=8, peer_copy=True)
+    assert planned.local_every < planned.every and planned.every % planned.local_every == 0
+    assert 0 < loss < 0.5
+    _, no_peer = plan_intervals(two, FAILURES, 8, gpus_per_node=8, peer_copy=False)
+    assert no_peer == 1.0
+    one_tier = simulate_many(COSTS, plan_intervals(COSTS, FAILURES, 8)[0], MTBF_S, 500 * HOUR, seeds=8)
+    both = simulate_many(two, planned, MTBF_S, 500 * HOUR, seeds=8, local_loss=loss)
+    assert both["goodput"] > one_tier["goodput"] + 0.05
+    # Work lost a failure: half a local interval, and half a persistent one for the failures that
+    # lost the local copy, against half the one tier's interval (to first order).
+    single = plan_intervals(COSTS, FAILURES, 8)[0].every
+    ratio = both["badput"]["lost_progress_s"] / one_tier["badput"]["lost_progress_s"]
+    assert ratio == pytest.approx((planned.local_every + loss * planned.every) / single, rel=0.2)
+
+
+def test_the_llama3_preset_is_its_published_rate():
+    assert failure_model("llama3") is LLAMA3
+    # 419 unexpected interruptions in 54 days of 16,384 GPUs: one every 3.09 hours for the job.
+    assert LLAMA3.job_mtbf_s(16384) / HOUR == pytest.approx(54 * 24 / 419)
+    assert failure_model("20000").mtbf_gpu_h == 20000
+
+
+@pytest.mark.parametrize("setting, phrase", [("0", r"between 10 and 1e\+08 hours"), ("-5", "between 10"),
+                                             ("1e12", "between 10"), ("nan", "between 10"), ("often", "give an MTBF")])
+def test_an_mtbf_out_of_reason_is_refused(setting, phrase):
+    with pytest.raises(UserError, match=phrase):
+        failure_model(setting)
+
+
+def test_an_interval_no_longer_than_its_save_is_refused():
+    with pytest.raises(UserError, match=r"--every 50: 50 steps take 50 s, not more than one save \(60 s\); give at "
+                                        r"least 61 steps"):
+        Intervals(50).check(COSTS)
+
+
+def test_costs_come_from_a_real_runs_ledger_and_flags_fill_in(tmp_path):
+    """A short `xlaopt train` with checkpoints, stopped and resumed: its ledger gives the step,
+    save, restore, start-up and gap times; what it lacks is named by its flag."""
+    ckpt = tmp_path / "ckpt"
+    tiny = ["train", "--model", "llama-tiny", "--set", "num_layers=1", "--set", "d_model=64", "--set", "mlp_dim=128",
+            "--set", "vocab_size=256", "--mesh", "data=1", "--dtype", "float32", "--batch-size", "2", "--text-len", "16",
+            "--no-progress", "--ckpt", str(ckpt), "--ckpt-every", "2"]
+    assert main([*tiny, "--steps", "4"]) == 0
+    with pytest.raises(UserError, match=r"no restore time \(the ledger has none\): give --restore-s SECONDS"):
+        job_costs(_ledger(ckpt))
+    assert main([*tiny, "--steps", "8", "--resume"]) == 0
+    costs = job_costs(_ledger(ckpt))
+    assert all(getattr(costs, f) > 0 for f in ("step_s", "save_s", "restore_s", "startup_s"))
+    assert costs.gap_s >= 0  # both attempts ran in this one process, whose start each dates itself from
+    assert dict(costs.sources) == dict.fromkeys(("step_s", "save_s", "restore_s", "startup_s", "gap_s"),
+                                                "the run's ledger")
+    out = tmp_path / "plan.json"
+    assert main(["goodput", "plan", "--ledger", str(ckpt), "--gap-s", "60", "--gpus", "1024", "--seeds", "20",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["cost_sources"]["gap_s"] == "given" and report["costs"]["gap_s"] == 60
+    assert report["costs"]["step_s"] == costs.step_s
+
+
+def _ledger(ckpt):
+    return [json.loads(line) for line in (ckpt / "goodput.jsonl").read_text().splitlines()]
+
+
+def test_the_command_prints_the_plan_beside_given_intervals(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["goodput", "plan", "--topology", "h100:128x8", "--step-s", "2.5", "--save-s", "4", "--restore-s", "90",
+            "--startup-s", "180", "--gap-s", "60", "--hours", "72", "--seeds", "50", "--json", str(out)]
+    assert main([*args, "--every", "100", "--every", "3000"]) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["gpus"] == 1024 and report["mtbf_source"].startswith("Llama 3")
+    planned, *given = report["intervals"]
+    assert [g["every"] for g in given] == [100, 3000]
+    assert planned["every"] == round(daly_s(4.0, report["job_mtbf_s"]) / 2.5)
+    assert planned["simulated"]["goodput"] >= max(g["simulated"]["goodput"] for g in given)
+    assert "a job of 1,024 GPUs fails every" in text and "planned" in text and "--every 3000" in text
+    assert math.isclose(planned["daly_goodput"], expected_goodput(JobCosts(2.5, 4, 90, 180, 60),
+                                                                  Intervals(planned["every"]), report["job_mtbf_s"]))

@@ -1,0 +1,92 @@
+"""What a checkpoint and a failure cost a job: measured from a run's goodput ledger, or given."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from xlaopt.errors import UserError
+
+FIELDS = {  # field -> the flag that gives it
+    "step_s": "--step-s", "save_s": "--save-s", "restore_s": "--restore-s", "startup_s": "--startup-s",
+    "gap_s": "--gap-s", "local_save_s": "--local-save-s", "local_restore_s": "--local-restore-s"}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobCosts:
+    step_s: float  # one training step
+    save_s: float  # the time a persistent save blocks the loop (an async save: until its copy off the devices)
+    restore_s: float  # restoring the state from the persistent tier
+    startup_s: float  # a restarted process's start to its first step, restore excluded (compile, warm cache)
+    gap_s: float  # from a failure to the next attempt's start: noticing it and launching again
+    local_save_s: float | None = None  # the local tier's save and restore, when the job keeps one
+    local_restore_s: float | None = None
+    sources: tuple[tuple[str, str], ...] = ()  # (field, where its value came from)
+
+    def __post_init__(self):
+        for name, flag in FIELDS.items():
+            value = getattr(self, name)
+            if value is None and name.startswith("local_"):
+                continue
+            if value is None or not (math.isfinite(value) and value >= 0):
+                raise UserError(f"{flag} {value}: must be a finite number of seconds >= 0")
+        if self.step_s <= 0:
+            raise UserError(f"--step-s {self.step_s:g}: a step takes some time; give its seconds (> 0)")
+        if (self.local_save_s is None) != (self.local_restore_s is None):
+            raise UserError("a local tier needs both --local-save-s and --local-restore-s")
+
+    @property
+    def two_tiers(self) -> bool:
+        return self.local_save_s is not None
+
+    def restart_s(self, local: bool) -> float:
+        """A failure's cost besides the work lost: the gap, the start-up and the restore."""
+        return self.gap_s + self.startup_s + (self.local_restore_s if local else self.restore_s)
+
+
+def measured(events: list[dict]) -> dict[str, float]:
+    """What a run's ledger (`xlaopt.runtime.goodput`) measured: the median step after each
+    attempt's first, save and restore; a restart's start-up (the first attempt's, a cold compile,
+    only when no restart was recorded) and the gaps between attempts. Absent causes are left out."""
+    from xlaopt.runtime.goodput import attempts
+
+    runs = attempts(events)
+    out: dict[str, float] = {}
+    steps = [e["dt"] for run in runs for e in [e for e in run if "step" in e][1:]]
+    if steps:
+        out["step_s"] = statistics.median(steps)
+    for key, name in (("save_s", "save_s"), ("restore_s", "restore_s")):
+        values = [e[key] for run in runs for e in run if key in e]
+        if values:
+            out[name] = statistics.median(values)
+    setups = [[e["setup_s"] for e in run if "setup_s" in e] for run in runs]
+    restarts = [s[0] for s in setups[1:] if s]
+    if restarts or (setups and setups[0]):
+        out["startup_s"] = statistics.median(restarts) if restarts else setups[0][0]
+    gaps = []
+    for run, following in zip(runs, runs[1:]):
+        last = max([run[0]["attempt"]] + [e["t"] for e in run if "t" in e])
+        gaps.append(max(0.0, following[0]["attempt"] - last))
+    if gaps:
+        out["gap_s"] = statistics.median(gaps)
+    return out
+
+
+def job_costs(ledger: list[dict] | None = None, **given: float | None) -> JobCosts:
+    """Costs from `given` values (None: not given) over what `ledger` measured; a cost neither gives
+    is an error naming its flag."""
+    found = measured(ledger) if ledger else {}
+    values, sources = {}, []
+    for name, flag in FIELDS.items():
+        if given.get(name) is not None:
+            values[name], source = given[name], "given"
+        elif name in found:
+            values[name], source = found[name], "the run's ledger"
+        elif name.startswith("local_"):
+            continue
+        else:
+            where = " (the ledger has none)" if ledger else ""
+            raise UserError(f"no {name.removesuffix('_s').replace('_', ' ')} time{where}: give {flag} SECONDS, or "
+                            f"--ledger DIR of a run that recorded one")
+        sources.append((name, source))
+    return JobCosts(**values, sources=tuple(sources))
