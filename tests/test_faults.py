@@ -136,6 +136,13 @@ def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     assert 0 < g["goodput"] < 1 and g["badput"]["lost_progress_s"] > 0 and g["badput"]["restart_gaps_s"] > 0
     parts = g["productive_s"] + sum(g["badput"].values())
     assert parts == pytest.approx(g["wall_s"], rel=1e-6)
+    # Each restart's time to its first step, kept in the ledger: gap, start-up and restore.
+    times = g["restart_times"]
+    assert len(times) == 3 and sum(r["gap_s"] for r in times) == pytest.approx(g["badput"]["restart_gaps_s"])
+    # (An attempt killed before its first save committed restarts from nothing: no restore.)
+    assert all(r["setup_s"] > 0 and r["restore_s"] >= 0 and
+               r["to_first_step_s"] == pytest.approx(r["gap_s"] + r["setup_s"] + r["restore_s"]) for r in times), times
+    assert g["cold_start_s"] > 0
     reference_g = json.loads((tmp_path / "ref.json").read_text())["goodput"]
     assert reference_g["restarts"] == 0 and reference_g["lost_steps"] == 0
 

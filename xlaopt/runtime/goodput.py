@@ -10,7 +10,8 @@ Badput causes: start-up and compile (process start to the first step, restores e
 wait, checkpoint save (the time a save blocked the loop) and restore, progress lost to a failure
 (the step and data time of steps run again after a restart), and the gaps between attempts
 (from the last thing a failed attempt did to the next attempt's start). What is left of the
-wall time (progress bar, teardown) is `other`.
+wall time (progress bar, teardown) is `other`. Each restart's own time to its first step (the
+gap, start-up and restore) is kept beside the first attempt's cold start.
 """
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def goodput(events: list[dict], ended: float) -> dict:
     productive = lost = data_wait = save = restore = setup = gaps = 0.0
     lost_steps = 0
     kept: list[float] = []
+    restarts: list[dict] = []
     for k, run in enumerate(runs):
         start = run[0]["attempt"]
         steps = [e for e in run if "step" in e]
@@ -121,7 +123,9 @@ def goodput(events: list[dict], ended: float) -> dict:
         setup += sum(e["setup_s"] for e in run if "setup_s" in e)
         if k + 1 < len(runs):
             last = max([start] + [e["t"] for e in run if "t" in e])
-            gaps += max(0.0, runs[k + 1][0]["attempt"] - last)
+            gap = max(0.0, runs[k + 1][0]["attempt"] - last)
+            gaps += gap
+            restarts.append(_restart(gap, runs[k + 1]))
     wall = ended - runs[0][0]["attempt"]
     badput = {"startup_compile_s": setup, "data_wait_s": data_wait, "checkpoint_save_s": save,
               "checkpoint_restore_s": restore, "lost_progress_s": lost, "restart_gaps_s": gaps}
@@ -130,8 +134,17 @@ def goodput(events: list[dict], ended: float) -> dict:
     median = statistics.median(timed) if timed else 0.0
     return {"goodput": productive / wall if wall > 0 else 0.0, "wall_s": wall, "productive_s": productive,
             "badput": badput, "lost_steps": lost_steps, "restarts": len(runs) - 1,
+            "cold_start_s": next((e["setup_s"] for e in runs[0] if "setup_s" in e), None), "restart_times": restarts,
             "step_time_median_s": median,
             "step_time_cv": statistics.pstdev(timed) / statistics.fmean(timed) if len(timed) > 1 else 0.0}
+
+
+def _restart(gap_s: float, run: list[dict]) -> dict:
+    """A restart's time from the failed attempt's last act to the next attempt's first step: the
+    gap (noticing the failure, launching again), start-up and compile, and the restore."""
+    setup = sum(e["setup_s"] for e in run if "setup_s" in e)
+    restore = sum(e["restore_s"] for e in run if "restore_s" in e)
+    return {"gap_s": gap_s, "setup_s": setup, "restore_s": restore, "to_first_step_s": gap_s + setup + restore}
 
 
 def _resumed_from(run: list[dict]) -> int:

@@ -170,7 +170,7 @@ class _Run:
         self.start = int(self.state.step)
         started = self.faults.started or time.time()
         self.ledger.record(resumed_from=self.start, processes=jax.process_count(),
-                           setup_s=max(0.0, time.time() - started - (time.perf_counter() - t0) * bool(self.resumed)))
+                           setup_s=max(0.0, time.time() - started - (time.perf_counter() - t0) * (self.resumed is not None)))
 
     def _batches(self, steps: int):
         program, compiled, start = self.program, self.compiled, self.start
@@ -365,4 +365,5 @@ def _format_goodput(g: dict) -> str:
     causes = sorted(((v, k.removesuffix("_s")) for k, v in g["badput"].items() if v > 0), reverse=True)[:3]
     return (f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall  (badput: "
             + ", ".join(f"{name} {v:.1f}s" for v, name in causes) + ")"
-            + (f"  restarts {g['restarts']}, steps lost and redone {g['lost_steps']}" if g["restarts"] else ""))
+            + (f"  restarts {g['restarts']}, steps lost and redone {g['lost_steps']}, the last one's start to its "
+               f"first step {g['restart_times'][-1]['to_first_step_s']:.1f}s" if g["restarts"] else ""))
