@@ -291,7 +291,7 @@ ROWS = [
         "give hours per GPU, not per job", UNCHANGED),
     Row("goodput-interval-shorter-than-save", RANGE, "`goodput plan --step-s 1 --save-s 30 --every 20`",
         lambda w: [*GOODPUT, "--every", "20"],
-        "--every 20: 20 steps take 20 s, not more than one save (30 s); give at least 31 steps", UNCHANGED),
+        "--every 20: 20 steps take 20 s, not more than one save (30 s, with its write); give at least 31 steps", UNCHANGED),
     Row("plan-stages-not-dividing-devices", RANGE, "`plan --stages 3 --topology h100:1x8`",
         lambda w: [*PLAN, "--stages", "3"],
         "pipeline stages 3: a stage count must divide the 8 devices of h100:1x8 (1, 2, 4, 8 do)", UNCHANGED),

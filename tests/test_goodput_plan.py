@@ -81,9 +81,23 @@ def test_an_mtbf_out_of_reason_is_refused(setting, phrase):
 
 
 def test_an_interval_no_longer_than_its_save_is_refused():
-    with pytest.raises(UserError, match=r"--every 50: 50 steps take 50 s, not more than one save \(60 s\); give at "
+    with pytest.raises(UserError, match=r"--every 50: 50 steps take 50 s, not more than one save \(60 s, with its write\); give at "
                                         r"least 61 steps"):
         Intervals(50).check(COSTS)
+
+
+def test_a_write_behind_the_loop_floors_the_interval_and_commits_late():
+    """An async save's write must finish before the next save and before its checkpoint counts: the
+    interval is at least the write, and a failure during it restores the checkpoint before."""
+    slow = JobCosts(step_s=1.0, save_s=60.0, restore_s=120.0, startup_s=150.0, gap_s=30.0, write_s=2000.0)
+    planned, _ = plan_intervals(slow, FAILURES, 8)
+    assert planned.every == 2001
+    with pytest.raises(UserError, match=r"--every 1000: .* not more than one save \(2e\+03 s, with its write\)"):
+        Intervals(1000).check(slow)
+    instant = JobCosts(step_s=1.0, save_s=60.0, restore_s=120.0, startup_s=150.0, gap_s=30.0)
+    lost = [simulate_many(c, Intervals(2001), MTBF_S, 500 * HOUR, seeds=8)["badput"]["lost_progress_s"]
+            for c in (instant, slow)]
+    assert lost[1] > lost[0] * 1.3  # a failure in the write window loses a whole interval more
 
 
 def test_costs_come_from_a_real_runs_ledger_and_flags_fill_in(tmp_path):

@@ -18,6 +18,7 @@ class GoodputPlanRequest:
     restore_s: float | None
     startup_s: float | None
     gap_s: float | None
+    write_s: float | None
     local_save_s: float | None
     local_restore_s: float | None
     mtbf: str
@@ -43,6 +44,8 @@ def register(sub) -> None:
                              ("--restore-s", "a restore from the persistent tier"),
                              ("--startup-s", "a restart's start-up to its first step, restore excluded"),
                              ("--gap-s", "from a failure to the next attempt's start"),
+                             ("--write-s", "a persistent save's write behind the loop, which the next save waits "
+                                           "for (default 0)"),
                              ("--local-save-s", "a local save's blocking time (a second, local tier)"),
                              ("--local-restore-s", "a restore from the local tier")):
         q.add_argument(flag, type=float, default=None, metavar="SECONDS", help=what_it_is)

@@ -9,7 +9,10 @@ from xlaopt.errors import UserError
 
 FIELDS = {  # field -> the flag that gives it
     "step_s": "--step-s", "save_s": "--save-s", "restore_s": "--restore-s", "startup_s": "--startup-s",
-    "gap_s": "--gap-s", "local_save_s": "--local-save-s", "local_restore_s": "--local-restore-s"}
+    "gap_s": "--gap-s", "write_s": "--write-s", "local_save_s": "--local-save-s",
+    "local_restore_s": "--local-restore-s"}
+# Costs that default to nothing when neither a flag nor the ledger gives them.
+OPTIONAL = ("write_s", "local_save_s", "local_restore_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +22,9 @@ class JobCosts:
     restore_s: float  # restoring the state from the persistent tier
     startup_s: float  # a restarted process's start to its first step, restore excluded (compile, warm cache)
     gap_s: float  # from a failure to the next attempt's start: noticing it and launching again
+    # A persistent save's write behind the loop (an async save): the checkpoint counts only once it
+    # is written, and the next save waits for it, so it is a floor on the interval.
+    write_s: float = 0.0
     local_save_s: float | None = None  # the local tier's save and restore, when the job keeps one
     local_restore_s: float | None = None
     sources: tuple[tuple[str, str], ...] = ()  # (field, where its value came from)
@@ -26,7 +32,7 @@ class JobCosts:
     def __post_init__(self):
         for name, flag in FIELDS.items():
             value = getattr(self, name)
-            if value is None and name.startswith("local_"):
+            if value is None and name in OPTIONAL:
                 continue
             if value is None or not (math.isfinite(value) and value >= 0):
                 raise UserError(f"{flag} {value}: must be a finite number of seconds >= 0")
@@ -82,7 +88,7 @@ def job_costs(ledger: list[dict] | None = None, **given: float | None) -> JobCos
             values[name], source = given[name], "given"
         elif name in found:
             values[name], source = found[name], "the run's ledger"
-        elif name.startswith("local_"):
+        elif name in OPTIONAL:
             continue
         else:
             where = " (the ledger has none)" if ledger else ""

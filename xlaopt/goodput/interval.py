@@ -46,7 +46,7 @@ class Intervals:
 
     def check(self, costs: JobCosts) -> None:
         """An interval must leave time to train: its steps take longer than its save."""
-        tiers = [("--every", self.every, costs.save_s)]
+        tiers = [("--every", self.every, max(costs.save_s, costs.write_s))]
         if self.local_every is not None:
             tiers.append(("--local-every", self.local_every, costs.local_save_s))
             if self.every % self.local_every:
@@ -55,7 +55,8 @@ class Intervals:
         for flag, steps, save_s in tiers:
             if steps < 1 or steps * costs.step_s <= save_s:
                 raise UserError(f"{flag} {steps}: {steps} steps take {steps * costs.step_s:.3g} s, not more than one "
-                                f"save ({save_s:.3g} s); give at least {math.floor(save_s / costs.step_s) + 1} steps")
+                                f"save ({save_s:.3g} s, with its write); give at least "
+                                f"{math.floor(save_s / costs.step_s) + 1} steps")
 
 
 def local_loss_probability(costs: JobCosts, local_every_s: float, mtbf_gpu_s: float, gpus_per_node: int,
@@ -80,12 +81,13 @@ def plan_intervals(costs: JobCosts, failures: FailureModel, gpus: int, gpus_per_
         return max(math.floor(save_s / costs.step_s) + 1, round(seconds / costs.step_s))
 
     if not costs.two_tiers:
-        return Intervals(steps(daly_s(costs.save_s, mtbf_s), costs.save_s)), 1.0
+        return Intervals(steps(daly_s(costs.save_s, mtbf_s), max(costs.save_s, costs.write_s))), 1.0
     local = steps(daly_s(costs.local_save_s, mtbf_s), costs.local_save_s)
     loss = local_loss_probability(costs, local * costs.step_s, failures.mtbf_gpu_h * HOUR_S, gpus_per_node, peer_copy)
-    every = steps(daly_s(costs.save_s, mtbf_s / loss), costs.save_s)
-    # A whole number of local intervals, still longer than the persistent save.
-    least = math.ceil((math.floor(costs.save_s / costs.step_s) + 1) / local)
+    floor_s = max(costs.save_s, costs.write_s)
+    every = steps(daly_s(costs.save_s, mtbf_s / loss), floor_s)
+    # A whole number of local intervals, still longer than the persistent save and its write.
+    least = math.ceil((math.floor(floor_s / costs.step_s) + 1) / local)
     return Intervals(max(least, round(every / local)) * local, local), loss
 
 

@@ -5,7 +5,8 @@ drawn from each attempt's start (an attempt can fail while it starts or restores
 job waits the gap, starts (`startup_s`), restores the newest checkpoint it still holds (the local
 tier's unless the failure took it too, with probability `local_loss`) and carries on from there:
 the steps done since that checkpoint are done again. A save cut short by a failure commits
-nothing. Time is kept by the causes a run's own goodput ledger keeps (`xlaopt.runtime.goodput`),
+nothing, and a persistent save counts only once its write behind the loop (`write_s`) is done.
+Time is kept by the causes a run's own goodput ledger keeps (`xlaopt.runtime.goodput`),
 so a simulated run and a measured one read alike; at the horizon the steps done count as done.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ def simulate(costs: JobCosts, intervals: Intervals, mtbf_s: float, horizon_s: fl
     run, step, local, persistent, restarts = _Run(costs, intervals, horizon_s), 0, 0, 0, 0
     every, unit = intervals.every, intervals.local_every or intervals.every
     from_local = None  # a fresh start; then whether a restart restores the local tier's copy
+    written = (0, 0.0)  # the newest persistent save and when its write is done
     while True:
         run.stop = min(run.t + rng.expovariate(1 / mtbf_s), horizon_s)
         step = 0 if from_local is None else (local if from_local else persistent)
@@ -68,9 +70,13 @@ def simulate(costs: JobCosts, intervals: Intervals, mtbf_s: float, horizon_s: fl
                 break
             local = step
             if to_persistent:
-                persistent = step
+                if written[1] <= run.t:  # the previous write is done (the interval's floor sees to it)
+                    persistent = written[0]
+                written = (step, run.t + costs.write_s)
         if run.t >= horizon_s:
             break
+        if written[1] <= run.t:
+            persistent = written[0]
         restarts += 1
         lost_local = intervals.local_every is None or rng.random() < local_loss
         from_local = not lost_local
