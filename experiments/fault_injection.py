@@ -11,7 +11,8 @@ data=4), float32, an asynchronous checkpoint every `--every` steps. The harness 
 devices with `xlaopt plan --topology cpu:1x2`'s layout. Prints each attempt, the job's goodput
 and badput from the final attempt's train JSON, and the comparison with the uninterrupted run:
 `ckpt diff` of the final states (bit-identical only when no restart changed the layout, since
-another layout orders its sums otherwise), the losses of the last steps, and the samples seen.
+another layout orders its sums otherwise), the losses of the last steps, and the samples seen; and the simulator's prediction of the job's
+goodput from the costs its ledger measured and this harness's kill rule (`predicted_goodput`).
 """
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def _children(launcher: subprocess.Popen) -> list[int]:
         if "--process-id" in cmd:
             procs[int(cmd.split("--process-id")[1].split()[0])] = int(pid)
     return [procs[i] for i in sorted(procs)]
+
+
+def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills: int, seeds: int = 200) -> dict:
+    """The simulator's goodput for this run (`xlaopt.goodput.simulate`): the costs this job's own
+    ledger measured (means over its attempts of a step, a save, a restore, a restart's start-up
+    and gap; a step's host work outside its timed part from the ledger's `other`), and this
+    harness's kill rule, the kills drawn afresh for each of `seeds` runs."""
+    import dataclasses
+    import math
+
+    from xlaopt.goodput.costs import job_costs
+    from xlaopt.goodput.interval import Intervals
+    from xlaopt.goodput.simulate import Harness, simulate_many
+
+    events = goodput.read(str(ledger.parent))
+    executed = sum(1 for e in events if "step" in e)
+    costs = job_costs(events, step_overhead_s=measured["badput"]["other_s"] / executed)
+    sim = simulate_many(costs, Intervals(every), math.inf, math.inf, seeds, harness=Harness(steps, kills))
+    return {"predicted_goodput": sim["goodput"], "p5": sim["goodput_p5"], "p95": sim["goodput_p95"], "seeds": seeds,
+            "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "sources"},
+            "badput": sim["badput"]}
 
 
 def main() -> int:
@@ -130,6 +152,7 @@ def main() -> int:
     max_rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(final["steps"], tail))
     tokens_equal = [r["tokens"] for r in final["steps"]] == [r["tokens"] for r in ref["steps"][-len(final["steps"]):]]
     g = final["goodput"]
+    prediction = predict(ledger, g, args.steps, args.every, kills)
     print(f"\n{kills} SIGKILLs, {g['restarts']} restarts ({sum(a['processes'] == 1 for a in attempts)} on 1 process "
           f"with the replanned layout), {g['lost_steps']} steps lost and redone")
     print(f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.0f} s wall; uninterrupted run: "
@@ -140,10 +163,15 @@ def main() -> int:
           f"{'identical' if same_layout else 'to differ: a restart ran on another layout'})")
     print(f"last loss {last_job:.6f} vs {last_ref:.6f}; the final attempt's {len(final['steps'])} losses within "
           f"{max_rel:.1e} relative (tolerance {LOSS_RTOL:g}); their tokens equal: {tokens_equal}")
+    print(f"predicted goodput {100 * prediction['predicted_goodput']:.1f}% (the simulator over "
+          f"{prediction['seeds']} draws of the kills, 5th-95th percentile {100 * prediction['p5']:.1f}-"
+          f"{100 * prediction['p95']:.1f}%), measured {100 * g['goodput']:.1f}%: "
+          f"{100 * (prediction['predicted_goodput'] - g['goodput']):+.1f} points")
     print(f"harness wall time {time.time() - t0:.0f} s (uninterrupted run {reference_s:.0f} s, faulted job {job_s:.0f} s)")
     ok = (max_rel <= LOSS_RTOL and tokens_equal and kills >= min(args.kills, 10)
           and (diff.returncode == 0 or not same_layout))
     result = {"steps": args.steps, "every": args.every, "kills": kills, "attempts": attempts, "goodput": g,
+              "predicted_goodput": prediction["predicted_goodput"], "prediction": prediction,
               "reference_goodput": ref["goodput"], "reference_s": reference_s, "job_s": job_s,
               "ckpt_diff_exit": diff.returncode, "same_layout_throughout": same_layout, "last_loss": last_job,
               "reference_last_loss": last_ref, "max_rel_loss_diff_final_attempt": max_rel, "tokens_equal": tokens_equal, "ok": ok}

@@ -11,7 +11,7 @@ from xlaopt.errors import UserError
 from xlaopt.goodput.costs import JobCosts, job_costs
 from xlaopt.goodput.failures import LLAMA3, FailureModel, failure_model
 from xlaopt.goodput.interval import Intervals, daly_s, expected_goodput, plan_intervals, young_s
-from xlaopt.goodput.simulate import CAUSES, simulate, simulate_many
+from xlaopt.goodput.simulate import CAUSES, Harness, simulate, simulate_many
 
 HOUR = 3600.0
 # A job that fails every 2 hours (8 GPUs of 16 h each), with a minute's save and 5 minutes' restart.
@@ -64,6 +64,21 @@ def test_a_local_tier_copied_to_a_peer_serves_nearly_every_restart():
     single = plan_intervals(COSTS, FAILURES, 8)[0].every
     ratio = both["badput"]["lost_progress_s"] / one_tier["badput"]["lost_progress_s"]
     assert ratio == pytest.approx((planned.local_every + loss * planned.every) / single, rel=0.2)
+
+
+def test_a_harness_kills_as_many_times_as_it_says_and_the_run_ends_on_its_steps():
+    """The fault-injection harness's rule (`experiments/fault_injection.py`): each attempt killed
+    20-400 steps past the furthest step reached, 12 times, the run over when its 3,000 steps are
+    done; each step's host work outside its timed part is `other` time, as the ledger counts it."""
+    costs = JobCosts(step_s=0.02, save_s=0.01, restore_s=0.05, startup_s=5.0, gap_s=0.2, step_overhead_s=0.005)
+    run = simulate(costs, Intervals(100), math.inf, math.inf, seed=3, harness=Harness(3000, 12))
+    assert run["restarts"] == 12 and run["productive_s"] == pytest.approx(3000 * 0.02)
+    assert run["productive_s"] + sum(run["badput"].values()) == pytest.approx(run["wall_s"], rel=1e-9)
+    executed = (run["productive_s"] + run["badput"]["lost_progress_s"]) / 0.02
+    assert run["badput"]["other_s"] == pytest.approx(executed * 0.005)
+    assert run["badput"]["startup_compile_s"] == pytest.approx(13 * 5.0)
+    # Lost a kill: on average half a checkpoint interval's steps, and never more than one.
+    assert 0 < run["badput"]["lost_progress_s"] / 0.02 <= 12 * 100
 
 
 def test_the_llama3_preset_is_its_published_rate():

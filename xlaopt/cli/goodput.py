@@ -19,6 +19,7 @@ class GoodputPlanRequest:
     startup_s: float | None
     gap_s: float | None
     write_s: float | None
+    step_overhead_s: float | None
     local_save_s: float | None
     local_restore_s: float | None
     mtbf: str
@@ -46,6 +47,7 @@ def register(sub) -> None:
                              ("--gap-s", "from a failure to the next attempt's start"),
                              ("--write-s", "a persistent save's write behind the loop, which the next save waits "
                                            "for (default 0)"),
+                             ("--step-overhead-s", "a step's host work outside its timed part (default 0)"),
                              ("--local-save-s", "a local save's blocking time (a second, local tier)"),
                              ("--local-restore-s", "a restore from the local tier")):
         q.add_argument(flag, type=float, default=None, metavar="SECONDS", help=what_it_is)

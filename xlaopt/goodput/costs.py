@@ -9,10 +9,10 @@ from xlaopt.errors import UserError
 
 FIELDS = {  # field -> the flag that gives it
     "step_s": "--step-s", "save_s": "--save-s", "restore_s": "--restore-s", "startup_s": "--startup-s",
-    "gap_s": "--gap-s", "write_s": "--write-s", "local_save_s": "--local-save-s",
-    "local_restore_s": "--local-restore-s"}
+    "gap_s": "--gap-s", "write_s": "--write-s", "step_overhead_s": "--step-overhead-s",
+    "local_save_s": "--local-save-s", "local_restore_s": "--local-restore-s"}
 # Costs that default to nothing when neither a flag nor the ledger gives them.
-OPTIONAL = ("write_s", "local_save_s", "local_restore_s")
+OPTIONAL = ("write_s", "step_overhead_s", "local_save_s", "local_restore_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class JobCosts:
     # A persistent save's write behind the loop (an async save): the checkpoint counts only once it
     # is written, and the next save waits for it, so it is a floor on the interval.
     write_s: float = 0.0
+    step_overhead_s: float = 0.0  # a step's host work outside its timed part (the ledger's `other`)
     local_save_s: float | None = None  # the local tier's save and restore, when the job keeps one
     local_restore_s: float | None = None
     sources: tuple[tuple[str, str], ...] = ()  # (field, where its value came from)
@@ -51,30 +52,32 @@ class JobCosts:
 
 
 def measured(events: list[dict]) -> dict[str, float]:
-    """What a run's ledger (`xlaopt.runtime.goodput`) measured: the median step after each
-    attempt's first, save and restore; a restart's start-up (the first attempt's, a cold compile,
-    only when no restart was recorded) and the gaps between attempts. Absent causes are left out."""
+    """What a run's ledger (`xlaopt.runtime.goodput`) measured, as means (a run's totals follow the
+    mean, not the median: a job whose attempts run on other layouts has steps of two speeds): a
+    step after each attempt's first, a save and a restore; a restart's start-up (the first
+    attempt's, a cold compile, only when no restart was recorded) and the gap between attempts.
+    Absent causes are left out."""
     from xlaopt.runtime.goodput import attempts
 
     runs = attempts(events)
     out: dict[str, float] = {}
     steps = [e["dt"] for run in runs for e in [e for e in run if "step" in e][1:]]
     if steps:
-        out["step_s"] = statistics.median(steps)
+        out["step_s"] = statistics.fmean(steps)
     for key, name in (("save_s", "save_s"), ("restore_s", "restore_s")):
         values = [e[key] for run in runs for e in run if key in e]
         if values:
-            out[name] = statistics.median(values)
+            out[name] = statistics.fmean(values)
     setups = [[e["setup_s"] for e in run if "setup_s" in e] for run in runs]
     restarts = [s[0] for s in setups[1:] if s]
     if restarts or (setups and setups[0]):
-        out["startup_s"] = statistics.median(restarts) if restarts else setups[0][0]
+        out["startup_s"] = statistics.fmean(restarts) if restarts else setups[0][0]
     gaps = []
     for run, following in zip(runs, runs[1:]):
         last = max([run[0]["attempt"]] + [e["t"] for e in run if "t" in e])
         gaps.append(max(0.0, following[0]["attempt"] - last))
     if gaps:
-        out["gap_s"] = statistics.median(gaps)
+        out["gap_s"] = statistics.fmean(gaps)
     return out
 
 
