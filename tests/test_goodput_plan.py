@@ -34,6 +34,12 @@ def test_the_planned_interval_is_dalys_and_the_simulation_gives_dalys_goodput():
         simulated[every] = simulate_many(COSTS, intervals, MTBF_S, 1000 * HOUR, seeds=8)["goodput"]
         assert simulated[every] == pytest.approx(expected_goodput(COSTS, intervals, MTBF_S), abs=0.005)
     assert simulated[planned.every] > max(simulated[planned.every // 2], simulated[planned.every * 2])
+    # Host work outside each step's timed part: longer segments, and none of it counts.
+    busy = JobCosts(step_s=1.0, save_s=60.0, restore_s=120.0, startup_s=150.0, gap_s=30.0, step_overhead_s=0.5)
+    intervals = plan_intervals(busy, FAILURES, 8)[0]
+    assert intervals.every == round(daly_s(60.0, MTBF_S) / 1.5)
+    assert simulate_many(busy, intervals, MTBF_S, 1000 * HOUR, seeds=8)["goodput"] == pytest.approx(
+        expected_goodput(busy, intervals, MTBF_S), abs=0.005)
 
 
 def test_a_simulated_run_accounts_for_every_second():

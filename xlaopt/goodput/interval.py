@@ -48,15 +48,16 @@ class Intervals:
         """An interval must leave time to train: its steps take longer than its save."""
         tiers = [("--every", self.every, max(costs.save_s, costs.write_s))]
         if self.local_every is not None:
-            tiers.append(("--local-every", self.local_every, costs.local_save_s))
+            tiers.append(("the local interval", self.local_every, costs.local_save_s))
             if self.every % self.local_every:
-                raise UserError(f"--every {self.every}: the persistent interval must be a multiple of --local-every "
-                                f"{self.local_every} (a persistent save replaces a local one)")
+                raise UserError(f"--every {self.every}: the persistent interval must be a multiple of the local one, "
+                                f"{self.local_every} steps (a persistent save replaces a local one)")
+        each = costs.step_s + costs.step_overhead_s
         for flag, steps, save_s in tiers:
-            if steps < 1 or steps * costs.step_s <= save_s:
-                raise UserError(f"{flag} {steps}: {steps} steps take {steps * costs.step_s:.3g} s, not more than one "
-                                f"save ({save_s:.3g} s, with its write); give at least "
-                                f"{math.floor(save_s / costs.step_s) + 1} steps")
+            if steps < 1 or steps * each <= save_s:
+                raise UserError(f"{flag} {steps}: {steps} steps take {steps * each:.3g} s, not more than one "
+                                f"save ({save_s:.3g} s, with its write); give at least {math.floor(save_s / each) + 1} "
+                                f"steps")
 
 
 def local_loss_probability(costs: JobCosts, local_every_s: float, mtbf_gpu_s: float, gpus_per_node: int,
@@ -77,8 +78,10 @@ def plan_intervals(costs: JobCosts, failures: FailureModel, gpus: int, gpus_per_
     more than its save) and the chance a failure loses the local tier (1 with one tier)."""
     mtbf_s = failures.job_mtbf_s(gpus)
 
+    each = costs.step_s + costs.step_overhead_s  # a step's wall time, its host work outside it included
+
     def steps(seconds: float, save_s: float) -> int:
-        return max(math.floor(save_s / costs.step_s) + 1, round(seconds / costs.step_s))
+        return max(math.floor(save_s / each) + 1, round(seconds / each))
 
     if not costs.two_tiers:
         return Intervals(steps(daly_s(costs.save_s, mtbf_s), max(costs.save_s, costs.write_s))), 1.0
@@ -87,7 +90,7 @@ def plan_intervals(costs: JobCosts, failures: FailureModel, gpus: int, gpus_per_
     floor_s = max(costs.save_s, costs.write_s)
     every = steps(daly_s(costs.save_s, mtbf_s / loss), floor_s)
     # A whole number of local intervals, still longer than the persistent save and its write.
-    least = math.ceil((math.floor(floor_s / costs.step_s) + 1) / local)
+    least = math.ceil((math.floor(floor_s / each) + 1) / local)
     return Intervals(max(least, round(every / local)) * local, local), loss
 
 
@@ -95,4 +98,5 @@ def expected_goodput(costs: JobCosts, intervals: Intervals, mtbf_s: float) -> fl
     """Daly's expected goodput of one tier (persistent saves only; None for two: `simulate` them)."""
     if intervals.local_every is not None:
         return None
-    return daly_goodput(intervals.every * costs.step_s, costs.save_s, costs.restart_s(local=False), mtbf_s)
+    each = costs.step_s + costs.step_overhead_s  # of which only the step counts
+    return daly_goodput(intervals.every * each, costs.save_s, costs.restart_s(local=False), mtbf_s) * costs.step_s / each
