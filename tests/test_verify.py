@@ -42,8 +42,9 @@ def test_sharded_matches_single_device(tiny_config, reference, mesh):
 @needs_devices(8)
 @pytest.mark.parametrize("config, mesh, execution", [
     (COSMOS3_TINY, "fsdp=4,tensor=2", FP32),
+    (COSMOS3_TINY, "context=2,fsdp=2,tensor=2", FP32),
     (LLAMA_TINY, "stage=2,fsdp=2,tensor=2", dataclasses.replace(FP32, layer_stack="pipeline")),
-], ids=["cosmos3-fsdp-tensor", "llama-pipeline"])
+], ids=["cosmos3-fsdp-tensor", "cosmos3-context-fsdp-tensor", "llama-pipeline"])
 def test_a_sharded_init_makes_one_devices_parameters_bit_for_bit(config, mesh, execution):
     """verify starts every program it compares from one device's initial parameters
     (`initial_params`), while a training run makes its own on its mesh: those are the same
