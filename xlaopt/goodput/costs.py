@@ -57,7 +57,7 @@ def measured(events: list[dict]) -> dict[str, float]:
     step after each attempt's first, a save and a restore; a restart's start-up (the first
     attempt's, a cold compile, only when no restart was recorded) and the gap between attempts.
     Absent causes are left out."""
-    from xlaopt.runtime.goodput import attempts
+    from xlaopt.runtime.goodput import attempts, restart_times
 
     runs = attempts(events)
     out: dict[str, float] = {}
@@ -68,16 +68,13 @@ def measured(events: list[dict]) -> dict[str, float]:
         values = [e[key] for run in runs for e in run if key in e]
         if values:
             out[name] = statistics.fmean(values)
-    setups = [[e["setup_s"] for e in run if "setup_s" in e] for run in runs]
-    restarts = [s[0] for s in setups[1:] if s]
-    if restarts or (setups and setups[0]):
-        out["startup_s"] = statistics.fmean(restarts) if restarts else setups[0][0]
-    gaps = []
-    for run, following in zip(runs, runs[1:]):
-        last = max([run[0]["attempt"]] + [e["t"] for e in run if "t" in e])
-        gaps.append(max(0.0, following[0]["attempt"] - last))
-    if gaps:
-        out["gap_s"] = statistics.fmean(gaps)
+    restarts = restart_times(runs)
+    cold = [e["setup_s"] for e in runs[0] if "setup_s" in e] if runs else []
+    if restarts:
+        out["startup_s"] = statistics.fmean(r["setup_s"] for r in restarts)
+        out["gap_s"] = statistics.fmean(r["gap_s"] for r in restarts)
+    elif cold:
+        out["startup_s"] = cold[0]
     return out
 
 

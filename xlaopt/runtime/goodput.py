@@ -102,12 +102,10 @@ def attempts(events: list[dict]) -> list[list[dict]]:
 def goodput(events: list[dict], ended: float) -> dict:
     """The job's goodput and badput by cause, from its ledger; `ended` is the wall time now."""
     runs = attempts(events)
-    productive = lost = data_wait = save = restore = setup = gaps = 0.0
+    productive = lost = data_wait = save = restore = setup = 0.0
     lost_steps = 0
     kept: list[float] = []
-    restarts: list[dict] = []
     for k, run in enumerate(runs):
-        start = run[0]["attempt"]
         steps = [e for e in run if "step" in e]
         restarted_from = _resumed_from(runs[k + 1]) if k + 1 < len(runs) else None
         for e in steps:
@@ -121,11 +119,8 @@ def goodput(events: list[dict], ended: float) -> dict:
         save += sum(e["save_s"] for e in run if "save_s" in e)
         restore += sum(e["restore_s"] for e in run if "restore_s" in e)
         setup += sum(e["setup_s"] for e in run if "setup_s" in e)
-        if k + 1 < len(runs):
-            last = max([start] + [e["t"] for e in run if "t" in e])
-            gap = max(0.0, runs[k + 1][0]["attempt"] - last)
-            gaps += gap
-            restarts.append(_restart(gap, runs[k + 1]))
+    restarts = restart_times(runs)
+    gaps = sum(r["gap_s"] for r in restarts)
     wall = ended - runs[0][0]["attempt"]
     badput = {"startup_compile_s": setup, "data_wait_s": data_wait, "checkpoint_save_s": save,
               "checkpoint_restore_s": restore, "lost_progress_s": lost, "restart_gaps_s": gaps}
@@ -139,12 +134,18 @@ def goodput(events: list[dict], ended: float) -> dict:
             "step_time_cv": statistics.pstdev(timed) / statistics.fmean(timed) if len(timed) > 1 else 0.0}
 
 
-def _restart(gap_s: float, run: list[dict]) -> dict:
-    """A restart's time from the failed attempt's last act to the next attempt's first step: the
-    gap (noticing the failure, launching again), start-up and compile, and the restore."""
-    setup = sum(e["setup_s"] for e in run if "setup_s" in e)
-    restore = sum(e["restore_s"] for e in run if "restore_s" in e)
-    return {"gap_s": gap_s, "setup_s": setup, "restore_s": restore, "to_first_step_s": gap_s + setup + restore}
+def restart_times(runs: list[list[dict]]) -> list[dict]:
+    """Each restart's time from the failed attempt's last act to the next attempt's first step (of
+    `attempts(events)`): the gap (noticing the failure, launching again), start-up and compile, and
+    the restore."""
+    out = []
+    for run, following in zip(runs, runs[1:]):
+        last = max([run[0]["attempt"]] + [e["t"] for e in run if "t" in e])
+        gap = max(0.0, following[0]["attempt"] - last)
+        setup = sum(e["setup_s"] for e in following if "setup_s" in e)
+        restore = sum(e["restore_s"] for e in following if "restore_s" in e)
+        out.append({"gap_s": gap, "setup_s": setup, "restore_s": restore, "to_first_step_s": gap + setup + restore})
+    return out
 
 
 def _resumed_from(run: list[dict]) -> int:
