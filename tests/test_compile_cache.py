@@ -107,3 +107,40 @@ def test_a_damaged_entry_is_recompiled_with_one_warning_and_replaced(tmp_path):
     assert replaced.keys() == written.keys() and all(len(replaced[k]) > len(v) // 2 for k, v in written.items())
     again = _compile_in_a_process(cache)
     assert "compile cache" not in again.stderr and same_program(again.stdout, first.stdout)
+
+
+# `xlaopt train` with JAX's own account of each compile's cache lookup (its compiler's debug log).
+_TRAIN_LOGGING_LOOKUPS = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("jax._src.compiler").setLevel(logging.DEBUG)
+    from xlaopt.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.slow  # two two-process jobs
+def test_every_process_of_a_cpu_job_writes_and_then_reads_its_own_entry(tmp_path):
+    """JAX writes entries from process 0 only; on the CPU each process's key differs (its topology
+    fingerprint), so process 1 compiled afresh on every restart until it wrote its own."""
+    from conftest import command_env, free_port
+
+    cache = tmp_path / "cache"
+    args = ["--model", "llama-tiny", "--set", "num_layers=1", "--set", "d_model=64", "--set", "vocab_size=256",
+            "--mesh", "data=2", "--steps", "1", "--no-progress", "--compile-cache", cache]
+    env = command_env(fast_compile=False)
+
+    def job() -> list[str]:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, "-c", _TRAIN_LOGGING_LOOKUPS, "train", *map(str, args), "--coordinator",
+                                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+        return errs
+
+    first = job()
+    assert all("PERSISTENT COMPILATION CACHE MISS for 'jit_train_step'" in err for err in first)
+    assert len(list(cache.glob("jit_train_step-*-cache"))) == 2  # one entry a process
+    again = job()
+    assert all("Persistent compilation cache hit for 'jit_train_step'" in err for err in again), again[1][-3000:]

@@ -162,7 +162,8 @@ class CompiledProgram:
             marker = ",".join(f"{HLO_TRANSFORM_MARKER}{t.fingerprint()[:16]}" for t in program.hlo_transforms)
             options["xla_disable_hlo_passes"] = ",".join(filter(None, (str(options.get("xla_disable_hlo_passes", "")),
                                                                         marker)))
-        with _hlo_transforms(program, self.mesh.devices.flat[0].client.platform), \
+        platform = self.mesh.devices.flat[0].client.platform
+        with _hlo_transforms(program, platform), compile_cache.written_by_every_process(platform), \
                 compile_cache.reading_entries(f"{program.model.name}'s step"), compiler_log.captured() as log:
             try:
                 compiled = lowered.compile(options)

@@ -124,6 +124,30 @@ def reading_entries(what: str):
         logger.propagate = propagate
 
 
+@contextlib.contextmanager
+def written_by_every_process(platform: str):
+    """Around one compile in a multi-process job on the CPU: this process writes its own entry.
+
+    jax 0.10.2 writes entries from process 0 only (`jax._src.compiler._cache_write`), so that
+    processes compiling one program under one key do not race to write it. On the CPU each
+    process's key differs (it hashes the topology of the process's own devices), so process 1's
+    executable was never written and every restart compiled it again: 2.0 s of a 3.5 s start on
+    this 2-core host. With keys apart there is no race to avoid (tests/test_compile_cache.py: one
+    entry a process, each read back by its process). JAX reads the writer's identity from `distributed.global_state.process_id`
+    there alone; the compile runs on this thread while the id reads 0."""
+    from jax._src import distributed  # JAX has no public switch for this
+
+    state = distributed.global_state
+    if platform != "cpu" or not state.process_id or _directory is None:
+        yield
+        return
+    own, state.process_id = state.process_id, 0
+    try:
+        yield
+    finally:
+        state.process_id = own
+
+
 def _remove_entry(key: str) -> pathlib.Path | None:
     if _directory is None:
         return None
