@@ -1,18 +1,21 @@
 """Fault injection: a long multi-process training run killed (SIGKILL) at random times and
-restarted each time, sometimes on fewer processes with a layout the planner made for what
-remains; against one uninterrupted run of the same job.
+restarted each time, against one uninterrupted run of the same job.
 
-    python experiments/fault_injection.py [--steps 3000] [--kills 12] [--seed 0] [--json OUT]
+    python experiments/fault_injection.py [--steps 3000] [--kills 12] [--seed 0] [--every 100]
+        [--local-every 10] [--replan 0] [--json OUT]
 
 The job: a tiny decoder (llama-tiny cut down) on 2 processes x 2 simulated CPU devices (mesh
-data=4), float32, an asynchronous checkpoint every `--every` steps. The harness watches process
-0's goodput ledger, kills a random process after a random number of steps, and relaunches with
-`--resume`: on 2 processes and the original layout, or (one restart in three) on 1 process of 2
-devices with `xlaopt plan --topology cpu:1x2`'s layout. Prints each attempt, the job's goodput
-and badput from the final attempt's train JSON, and the comparison with the uninterrupted run:
-`ckpt diff` of the final states (bit-identical only when no restart changed the layout, since
-another layout orders its sums otherwise), the losses of the last steps, and the samples seen; and the simulator's prediction of the job's
-goodput from the costs its ledger measured and this harness's kill rule (`predicted_goodput`).
+data=4), float32, an asynchronous persistent checkpoint every `--every` steps and, unless
+`--local-every 0`, a local tier (`--local-ckpt` on /dev/shm, each process's shards copied to the
+other) every `--local-every` steps. The harness watches process 0's goodput ledger, kills a
+random process after a random number of steps, and relaunches with `--resume`: on the original
+layout, or (a `--replan` share of restarts) on 1 process of 2 devices with `xlaopt plan
+--topology cpu:1x2`'s layout, which the local tier cannot serve. Prints each attempt, the job's
+goodput and badput from the final attempt's train JSON, and the comparison with the uninterrupted
+run: `ckpt diff` of the final states (bit-identical when no restart changed the layout; another
+layout orders its sums otherwise), the losses of the last steps, and the samples seen; and the
+simulator's prediction of the job's goodput from the costs its ledger measured and this
+harness's kill rule (`predicted_goodput`).
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,13 +76,15 @@ def _children(launcher: subprocess.Popen) -> list[int]:
     return [procs[i] for i in sorted(procs)]
 
 
-def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills: int, seeds: int = 200) -> dict:
+def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills: int, local_every: int = 0,
+            replan: float = 0.0, seeds: int = 200) -> dict:
     """The simulator's goodput for this run (`xlaopt.goodput.simulate`): the costs this job's own
     ledger measured (means over its attempts of a step, a save, a restore, a restart's start-up
     and gap; a step's host work outside its timed part from the ledger's `other`), and this
     harness's kill rule, the kills drawn afresh for each of `seeds` runs."""
     import dataclasses
     import math
+    import statistics
 
     from xlaopt.goodput.costs import job_costs
     from xlaopt.goodput.interval import Intervals
@@ -85,8 +92,16 @@ def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills:
 
     events = goodput.read(str(ledger.parent))
     executed = sum(1 for e in events if "step" in e)
-    costs = job_costs(events, step_overhead_s=measured["badput"]["other_s"] / executed)
-    sim = simulate_many(costs, Intervals(every), math.inf, math.inf, seeds, harness=Harness(steps, kills))
+    local = local_every > 0 and any("local_restore_s" in e for e in events)
+    # A restart the local tier serves reads no persistent step: its time is then the local one's.
+    restore = None if local is False or any("restore_s" in e for e in events) else \
+        statistics.fmean(e["local_restore_s"] for e in events if "local_restore_s" in e)
+    costs = job_costs(events, step_overhead_s=measured["badput"]["other_s"] / executed, restore_s=restore)
+    # A SIGKILL takes a process, not its node: the local tier always survives here (local_loss 0),
+    # unless restarts move to another layout, which the local tier cannot serve.
+    intervals = Intervals(every, local_every if local else None)
+    sim = simulate_many(costs, intervals, math.inf, math.inf, seeds, local_loss=replan if local else 1.0,
+                        harness=Harness(steps, kills))
     return {"predicted_goodput": sim["goodput"], "p5": sim["goodput_p5"], "p95": sim["goodput_p95"], "seeds": seeds,
             "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "sources"},
             "badput": sim["badput"]}
@@ -96,15 +111,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--every", type=int, default=100, help="checkpoint every K steps")
+    ap.add_argument("--local-every", type=int, default=10, help="local-tier save every K steps (0: no local tier)")
+    ap.add_argument("--replan", type=float, default=0.0,
+                    help="the share of restarts onto 1 process with a replanned layout (default 0: one layout)")
     ap.add_argument("--kills", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rng = random.Random(args.seed)
     work = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-"))
+    # Node-local memory where there is some, as a job on a real node would use.
+    shm = pathlib.Path("/dev/shm")
+    node_local = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-local-", dir=shm if shm.is_dir() else None))
     common = [*MODEL, "--steps", args.steps, "--ckpt-every", args.every, "--peer-timeout", 10]
+    tier = ["--local-ckpt", node_local / "job", "--local-every", args.local_every] if args.local_every else []
     t0 = time.time()
-    reference = _xlaopt("train", *common, *MESH, "--processes", 2, "--ckpt", work / "ref", "--json", work / "ref.json")
+    reference = _xlaopt("train", *common, *MESH, *[a if a != node_local / "job" else node_local / "ref" for a in tier],
+                        "--processes", 2, "--ckpt", work / "ref", "--json", work / "ref.json")
     assert reference.wait() == 0, reference.stderr.read()[-3000:]
     reference_s = time.time() - t0
 
@@ -115,11 +138,13 @@ def main() -> int:
     job, ledger = work / "job", work / "job" / "goodput.jsonl"
     attempts, kills, t_job = [], 0, time.time()
     while True:
-        fewer = kills > 0 and rng.random() < 1 / 3
+        fewer = kills > 0 and rng.random() < args.replan
         layout = ["--layout", replanned] if fewer else MESH
         before = _steps_done(ledger)
-        launcher = _xlaopt("train", *common, *layout, "--processes", 1 if fewer else 2, "--ckpt", job, "--resume",
-                           "--json", work / "job.json")
+        # One process alone has no peer: its local tier keeps its own copy only.
+        local = [*tier, "--local-peers", 0] if tier and fewer else tier
+        launcher = _xlaopt("train", *common, *layout, *local, "--processes", 1 if fewer else 2, "--ckpt", job,
+                           "--resume", "--json", work / "job.json")
         record = {"processes": 1 if fewer else 2, "layout": "replanned cpu:1x2" if fewer else "data=4"}
         if kills < args.kills:
             target = before + rng.randint(20, 400)
@@ -152,9 +177,15 @@ def main() -> int:
     max_rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(final["steps"], tail))
     tokens_equal = [r["tokens"] for r in final["steps"]] == [r["tokens"] for r in ref["steps"][-len(final["steps"]):]]
     g = final["goodput"]
-    prediction = predict(ledger, g, args.steps, args.every, kills)
+    prediction = predict(ledger, g, args.steps, args.every, kills, args.local_every, args.replan)
+    restores = [e for e in goodput.read(str(job)) if "restore_s" in e or "local_restore_s" in e]
+    shutil.rmtree(node_local, ignore_errors=True)
     print(f"\n{kills} SIGKILLs, {g['restarts']} restarts ({sum(a['processes'] == 1 for a in attempts)} on 1 process "
           f"with the replanned layout), {g['lost_steps']} steps lost and redone")
+    print(f"restores: {sum('local_restore_s' in e for e in restores)} from the local tier, "
+          f"{sum('restore_s' in e for e in restores)} from the persistent one; each restart's time to its first step "
+          f"(median) {statistics.median(r['to_first_step_s'] for r in g['restart_times']):.2f} s, cold start "
+          f"{g['cold_start_s']:.2f} s")
     print(f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.0f} s wall; uninterrupted run: "
           f"{100 * ref['goodput']['goodput']:.1f}% of {ref['goodput']['wall_s']:.0f} s")
     print("badput: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in g["badput"].items()))
@@ -170,7 +201,10 @@ def main() -> int:
     print(f"harness wall time {time.time() - t0:.0f} s (uninterrupted run {reference_s:.0f} s, faulted job {job_s:.0f} s)")
     ok = (max_rel <= LOSS_RTOL and tokens_equal and kills >= min(args.kills, 10)
           and (diff.returncode == 0 or not same_layout))
-    result = {"steps": args.steps, "every": args.every, "kills": kills, "attempts": attempts, "goodput": g,
+    result = {"steps": args.steps, "every": args.every, "local_every": args.local_every, "replan": args.replan,
+              "kills": kills, "attempts": attempts, "goodput": g,
+              "restores": {"local": sum("local_restore_s" in e for e in restores),
+                           "persistent": sum("restore_s" in e for e in restores)},
               "predicted_goodput": prediction["predicted_goodput"], "prediction": prediction,
               "reference_goodput": ref["goodput"], "reference_s": reference_s, "job_s": job_s,
               "ckpt_diff_exit": diff.returncode, "same_layout_throughout": same_layout, "last_loss": last_job,

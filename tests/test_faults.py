@@ -271,3 +271,15 @@ def test_skipping_non_finite_steps_leaves_the_state_unchanged(tmp_path):
     a, b = (read_all(d, read_manifest(d)) for d in (tmp_path / "ckpt" / step_dir_name(s) for s in (first, first + 1)))
     assert all(a[k].tobytes() == b[k].tobytes() for k in a if k.startswith("params/"))
     assert _finite_checkpoint(tmp_path / "ckpt", 8)
+
+
+def test_a_process_killed_by_a_signal_takes_the_launched_job_down_at_once(capsys):
+    from xlaopt.runtime import launch
+
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    children[1].kill()
+    t0 = time.monotonic()
+    code = launch._supervise(children, deadline_s=60)  # not the peers' timeout: the launcher knows
+    assert time.monotonic() - t0 < 2 and code == EXIT_PEER_LOST
+    assert [c.returncode for c in children] == [-signal.SIGKILL] * 3
+    assert "process 1 first (killed by SIGKILL)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pathlib
 
+from xlaopt.checkpoint import local
 from xlaopt.checkpoint.layout import CheckpointError, committed_steps, debris, open_root, read_manifest, step_dir_name
 from xlaopt.checkpoint.restore import check_files, read_all
 
@@ -30,7 +31,10 @@ def listing(root) -> dict:
 
 def verify(root, step: int | None = None) -> dict:
     """Check every committed step (or one): files present with their sizes, every chunk's
-    checksum (by reading it all). `faults` empty means sound."""
+    checksum (by reading it all). `faults` empty means sound. A local tier (`--local-ckpt`'s
+    directory): every file's checksum, and each step whole over the processes' copies."""
+    if local.is_local_tier(root):
+        return local.verify_tier(root, step)
     root = open_root(root, create=False)
     steps = committed_steps(root) if step is None else [step]
     if not steps:
@@ -58,9 +62,16 @@ def describe(root, step: int | None = None) -> dict:
 def diff(root_a, root_b, step: int | None = None) -> dict:
     """Whether two checkpoints hold the same state: every leaf bit for bit (its bytes, so a NaN
     equals itself and -0.0 differs from 0.0), the same tree, and the same data position. `step`
-    in both (default: each one's newest). Reading verifies every chunk's checksum."""
+    in both (default: each one's newest). Reading verifies every chunk's checksum. Either may be a
+    local tier, whose step is read whole from its processes' copies."""
     steps, leaves, metas = [], [], []
     for root in (root_a, root_b):
+        if local.is_local_tier(root):  # a local tier's step, whole from the processes' copies
+            found, arrays, meta = local.read_tier(root, step)
+            steps.append(found)
+            leaves.append(arrays)
+            metas.append(meta)
+            continue
         step_dir = _step_dir(open_root(root, create=False), step)
         manifest = read_manifest(step_dir)
         steps.append(manifest["step"])

@@ -35,3 +35,12 @@ def gather(key: str) -> list[str]:
         return []
     client = _client()
     return [client.blocking_key_value_get(f"{key}/{i}", TIMEOUT_MS) for i in range(1, jax.process_count())]
+
+
+def share(key: str, value: str) -> list[str]:
+    """Every process's `value` for `key`, in process order; every process calls it with a key used once."""
+    if jax.process_count() == 1:
+        return [value]
+    client = _client()
+    client.key_value_set(f"{key}/{jax.process_index()}", value)
+    return [client.blocking_key_value_get(f"{key}/{i}", TIMEOUT_MS) for i in range(jax.process_count())]

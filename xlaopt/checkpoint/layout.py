@@ -208,11 +208,11 @@ def _check_manifest(step_dir: pathlib.Path, path: pathlib.Path, manifest: dict) 
                 and all(c >= 1 or n == 0 for c, n in zip(chunk, shape))):
             raise bad(f"leaf {leaf['name']}: shape {shape!r} and chunk {chunk!r} must be lists of sizes, one per "
                       f"dimension")
-        if not _array_dtype(leaf["dtype"]):
+        if not array_dtype(leaf["dtype"]):
             raise bad(f"leaf {leaf['name']}: dtype {leaf['dtype']!r} is not an array dtype")
 
 
-def _array_dtype(name: str) -> bool:
+def array_dtype(name: str) -> bool:
     import ml_dtypes  # registers bfloat16 and the float8s with numpy
 
     try:

@@ -82,7 +82,7 @@ class LeafSnapshot:
                 "chunk": list(self.chunk), "sharding": self.sharding}
 
 
-def _sharding_json(sharding) -> dict | None:
+def sharding_json(sharding) -> dict | None:
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
         return {"mesh": dict(sharding.mesh.shape), "spec": spec}
@@ -139,7 +139,7 @@ def snapshot(tree) -> list[LeafSnapshot]:
         if isinstance(leaf, jax.Array):
             shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
             shard, shards = next(copies)
-            sharding = _sharding_json(leaf.sharding)
+            sharding = sharding_json(leaf.sharding)
             nbytes = leaf.nbytes if isinstance(shards, jax.Array) else sum(c.nbytes for _, c in shards)
         else:
             data = host_copy(leaf)

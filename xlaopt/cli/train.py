@@ -20,6 +20,9 @@ class TrainRequest:
     keep: int
     keep_every: int | None
     resume: bool
+    local_ckpt: str | None
+    local_every: int | None
+    local_peers: int | None
     no_progress: bool
     coordinator: str | None
     num_processes: int | None
@@ -55,6 +58,15 @@ def register(sub) -> None:
                    help="also keep every checkpoint whose step is a multiple of K")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt DIR, or start fresh when there is none")
+    p.add_argument("--local-ckpt", default=None, metavar="DIR",
+                   help="also keep a local checkpoint tier: each process saves its own shards under DIR on its node's "
+                        "own disk (e.g. /dev/shm/JOB), copied to --local-peers other processes; a restore takes the "
+                        "newest step over both tiers (needs --ckpt for the persistent tier)")
+    p.add_argument("--local-every", type=int, default=None, metavar="K",
+                   help="save to the local tier every K steps (default: 10 with --local-ckpt)")
+    p.add_argument("--local-peers", type=int, default=None, metavar="P",
+                   help="how many other processes keep a copy of each process's local shards (default: 1 in a "
+                        "multi-process job, 0 alone)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="join a multi-process jax.distributed job (process 0's address; with --num-processes "
@@ -91,6 +103,26 @@ def _refuse_fp8(program: ProgramRequest) -> None:
                         "an h100 or h200 topology; verify checks them on the CPU); train here with matmuls=compute")
 
 
+def _local_tier(request: TrainRequest, processes: int) -> tuple[str | None, int | None, int]:
+    """(directory, interval, peers) of the local checkpoint tier, checked before any work."""
+    from xlaopt.checkpoint import local
+
+    if request.local_ckpt is None:
+        if request.local_every is not None or request.local_peers is not None:
+            raise UserError("--local-every and --local-peers need --local-ckpt DIR")
+        return None, None, 0
+    if request.ckpt is None:
+        raise UserError("--local-ckpt needs --ckpt DIR: the local tier backs a persistent one, which serves a "
+                        "restart the local tier cannot (a lost node with its peer, another layout)")
+    every = 10 if request.local_every is None else request.local_every
+    if every < 1:
+        raise UserError(f"--local-every {every}: must be a positive number of steps")
+    peers = (1 if processes > 1 else 0) if request.local_peers is None else request.local_peers
+    local.check_peers(peers, processes)
+    local.check_local(request.local_ckpt, request.ckpt)
+    return request.local_ckpt, every, peers
+
+
 def run(request: TrainRequest) -> int:
     if request.steps < 1:
         raise UserError(f"--steps {request.steps}: need at least 1 step")
@@ -98,6 +130,7 @@ def run(request: TrainRequest) -> int:
     if rate is not None and not (math.isfinite(rate) and rate >= 0):
         raise UserError(f"--learning-rate {rate:g}: need a finite rate >= 0")
     _refuse_fp8(request.program)
+    local_tier = _local_tier(request, request.processes or request.num_processes or 1)
     if request.processes is not None:
         return _launch(request)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
@@ -113,7 +146,8 @@ def run(request: TrainRequest) -> int:
     if request.ckpt is not None:
         if request.ckpt_every is not None and request.ckpt_every < 1:
             raise UserError(f"--ckpt-every {request.ckpt_every}: must be a positive number of steps")
-        ckpt = CheckpointOptions(request.ckpt, request.ckpt_every, request.resume, request.keep, request.keep_every)
+        ckpt = CheckpointOptions(request.ckpt, request.ckpt_every, request.resume, request.keep, request.keep_every,
+                                 *local_tier)
     elif request.resume or request.ckpt_every is not None:
         raise UserError("--resume and --ckpt-every need --ckpt DIR")
     program, passes = programs.apply_pipeline(request.program, program, request.program.dump_hlo,

@@ -64,7 +64,8 @@ def measured(events: list[dict]) -> dict[str, float]:
     steps = [e["dt"] for run in runs for e in [e for e in run if "step" in e][1:]]
     if steps:
         out["step_s"] = statistics.fmean(steps)
-    for key, name in (("save_s", "save_s"), ("restore_s", "restore_s")):
+    for key, name in (("save_s", "save_s"), ("restore_s", "restore_s"), ("local_save_s", "local_save_s"),
+                      ("local_restore_s", "local_restore_s")):
         values = [e[key] for run in runs for e in run if key in e]
         if values:
             out[name] = statistics.fmean(values)

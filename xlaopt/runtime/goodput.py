@@ -7,7 +7,8 @@ a line, flushed as written, so a killed attempt leaves what it did): an attempt'
 step's times, each save and restore. A fresh run (no `--resume`) starts a new ledger.
 
 Badput causes: start-up and compile (process start to the first step, restores excluded), data
-wait, checkpoint save (the time a save blocked the loop) and restore, progress lost to a failure
+wait, checkpoint save (the time a save blocked the loop) and restore, of either tier (a local
+save is `local_save_s`, a local restore `local_restore_s`), progress lost to a failure
 (the step and data time of steps run again after a restart), and the gaps between attempts
 (from the last thing a failed attempt did to the next attempt's start). What is left of the
 wall time (progress bar, teardown) is `other`. Each restart's own time to its first step (the
@@ -116,8 +117,8 @@ def goodput(events: list[dict], ended: float) -> dict:
                 productive += e["dt"]
                 data_wait += e["wait"]
                 kept.append(e["dt"])
-        save += sum(e["save_s"] for e in run if "save_s" in e)
-        restore += sum(e["restore_s"] for e in run if "restore_s" in e)
+        save += sum(e.get("save_s", 0.0) + e.get("local_save_s", 0.0) for e in run)
+        restore += sum(_restore_s(e) for e in run)
         setup += sum(e["setup_s"] for e in run if "setup_s" in e)
     restarts = restart_times(runs)
     gaps = sum(r["gap_s"] for r in restarts)
@@ -143,9 +144,14 @@ def restart_times(runs: list[list[dict]]) -> list[dict]:
         last = max([run[0]["attempt"]] + [e["t"] for e in run if "t" in e])
         gap = max(0.0, following[0]["attempt"] - last)
         setup = sum(e["setup_s"] for e in following if "setup_s" in e)
-        restore = sum(e["restore_s"] for e in following if "restore_s" in e)
+        restore = sum(_restore_s(e) for e in following)
         out.append({"gap_s": gap, "setup_s": setup, "restore_s": restore, "to_first_step_s": gap + setup + restore})
     return out
+
+
+def _restore_s(event: dict) -> float:
+    """A restore's time, from either tier."""
+    return event.get("restore_s", 0.0) + event.get("local_restore_s", 0.0)
 
 
 def _resumed_from(run: list[dict]) -> int:

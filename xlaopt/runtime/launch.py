@@ -4,7 +4,8 @@ Each of the N processes is `xlaopt train` itself with `--coordinator 127.0.0.1:P
 --num-processes N --process-id I` added (a free loopback port, so the coordination service
 listens on loopback only), bringing its share of the mesh's devices. Process 0 reports. When a
 process fails the others stop on their own within `--peer-timeout` (xlaopt.runtime.faults);
-whichever has not after that, and a grace period, is killed, so the job never hangs. SIGTERM
+whichever has not after that, and a grace period, is killed, so the job never hangs. A process
+killed by a signal takes the others with it at once: this launcher names it. SIGTERM
 or Ctrl-C to the launcher is passed on: the job agrees on a step, saves once and exits 0.
 """
 from __future__ import annotations
@@ -62,6 +63,13 @@ def _supervise(children: list[subprocess.Popen], deadline_s: float) -> int:
         if first is None:
             first = next((i for i, c in enumerate(children) if c.returncode not in (None, 0)), None)
             failed_at = time.monotonic() if first is not None else None
+            if first is not None and children[first].returncode < 0:
+                # Killed by a signal (SIGKILL, a crash): it reported nothing and will finish no step, so
+                # the others cannot either. This launcher knows the culprit; stop them now rather
+                # than let each find out and name it (seconds, against one restart's few).
+                for c in children:
+                    if c.poll() is None:
+                        c.kill()
         elif time.monotonic() - failed_at > deadline_s:
             stuck = [i for i, c in enumerate(children) if c.poll() is None]
             print(f"xlaopt train: error: process {first} failed ({_status(children[first].returncode)}); "

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 
 from xlaopt.analysis.hardware import mesh_peak
-from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention
+from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention, local_format
+from xlaopt.checkpoint.local import LocalTier
 from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
@@ -43,9 +44,18 @@ class CheckpointOptions:
     resume: bool = False
     keep_last: int = 3
     keep_every: int | None = None
+    # The local tier (xlaopt.checkpoint.local): each process's node-local directory under `local`,
+    # a save every `local_every` steps, copied to `local_peers` other processes.
+    local: str | None = None
+    local_every: int | None = None
+    local_peers: int = 0
 
     def due(self, done: int, steps: int) -> bool:
         return done == steps or (self.every is not None and done % self.every == 0)
+
+    def due_local(self, done: int, steps: int) -> bool:
+        """A local save, unless a persistent one is due: a restore takes the newer of the two."""
+        return self.local_every is not None and done % self.local_every == 0 and not self.due(done, steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +71,7 @@ def _run_meta(program: TrainProgram, loader) -> dict:
     # `execution` is a record of how the run executed; a resume never compares it.
     return {"model": program.model.name, "config": dataclasses.asdict(program.model),
             "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
-            "execution": dataclasses.asdict(program.execution),
+            "execution": dataclasses.asdict(program.execution), "mesh": program.mesh.as_dict(),
             "data": loader.state().to_json() if loader is not None else None}
 
 
@@ -136,18 +146,38 @@ class _Run:
     def __init__(self, program: TrainProgram, ckpt: CheckpointOptions | None, faults: FaultOptions,
                  watch: PeerWatch | None):
         self.program, self.ckpt, self.faults, self.watch = program, ckpt, faults, watch
-        self.manager = self.loader = self.resumed = None
+        self.manager = self.loader = self.resumed = self.local = self.local_blob = None
         self.meta: dict | None = None
         self.stopped_by: str | None = None
         self._closed = False
         if ckpt is not None:
             self.manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
+            self.local = LocalTier(ckpt.local, ckpt.local_peers) if ckpt.local else None
             self.resumed = self.manager.latest() if ckpt.resume else None
-            if self.resumed is not None:  # a checkpoint of another run is refused before compiling
+            if ckpt.resume and self.local is not None:
+                self._fetch_local()
+            if self.resumed is not None and self.meta is None:
                 self.meta = self.manager.manifest(self.resumed)["meta"]
+            if self.meta is not None:  # a checkpoint of another run is refused before compiling
                 _check_same_run(self.meta, program, ckpt.directory)
         self.ledger = goodput.Ledger(ckpt.directory if ckpt else None, faults.started or time.time(),
                                      resume=bool(ckpt and ckpt.resume), write=jax.process_index() == 0)
+
+    def _fetch_local(self) -> None:
+        """Take the local tier's newest whole step when it is at least as new as the persistent one,
+        and was saved on this layout; the blob is rebuilt into arrays once the program is compiled."""
+        t0 = time.perf_counter()
+        step = self.local.agree(self.resumed)
+        if step is None:
+            return
+        header, payload, where = self.local.fetch(step)
+        if header["meta"].get("mesh") != self.program.mesh.as_dict():
+            if jax.process_index() == 0:
+                print(f"xlaopt train: the local tier's step {step} was saved on mesh {header['meta'].get('mesh')}, "
+                      f"this run has {self.program.mesh.as_dict()}: restoring the persistent tier", file=sys.stderr)
+            return
+        self.resumed, self.meta = step, header["meta"]
+        self.local_blob = (header, payload, where, time.perf_counter() - t0)
 
     def setup(self, data_dir: str | None, skip_oversize: bool) -> None:
         program, meta = self.program, self.meta
@@ -162,15 +192,24 @@ class _Run:
         self.compile_s = time.perf_counter() - t0
         self.key = jax.random.key(program.settings.seed)
         t0 = time.perf_counter()
+        restore_s = 0.0
         if self.resumed is None:
             self.state = compiled.init(jax.random.fold_in(self.key, 0))
+        elif self.local_blob is not None:
+            header, payload, where, fetch_s = self.local_blob
+            self.state = local_format.assemble(header, payload, compiled.abstract_state, where)
+            self.local_blob = None
+            restore_s = fetch_s + time.perf_counter() - t0
+            # Per process, how many places on the copy it restored was held (0: its own).
+            self.ledger.record(local_restore_s=restore_s, local_from=self.local.sources)
         else:
             self.state, _ = compiled.restore_state(self.manager, self.resumed)
-            self.ledger.record(restore_s=time.perf_counter() - t0)
+            restore_s = time.perf_counter() - t0
+            self.ledger.record(restore_s=restore_s)
         self.start = int(self.state.step)
         started = self.faults.started or time.time()
         self.ledger.record(resumed_from=self.start, processes=jax.process_count(),
-                           setup_s=max(0.0, time.time() - started - (time.perf_counter() - t0) * (self.resumed is not None)))
+                           setup_s=max(0.0, time.time() - started - restore_s))
 
     def _batches(self, steps: int):
         program, compiled, start = self.program, self.compiled, self.start
@@ -209,13 +248,9 @@ class _Run:
             t_step = time.perf_counter()
             if watch:
                 watch.entering()
-            try:
+            with self._collective():
                 self.state, metrics = compiled.train_step(self.state, compiled.put_batch(batch), self.key)
                 metrics = {k: float(v) for k, v in metrics.items()}
-            except jax.errors.JaxRuntimeError as e:
-                if watch is None:
-                    raise
-                raise watch.lost(e) from None
             t_end = time.perf_counter()
             if watch:
                 watch.progress(step + 1)
@@ -233,12 +268,26 @@ class _Run:
                 info = manager.save(step + 1, self.state, _run_meta(self.program, loader))
                 saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
                 ledger.record(save_s=info.blocking_s, t=round(time.time(), 3))
+            elif self.local is not None and self.ckpt.due_local(step + 1, steps):
+                with self._collective():  # the copy to a peer is a collective too
+                    local_save_s = self.local.save(step + 1, self.state, _run_meta(self.program, loader))
+                ledger.record(local_save_s=local_save_s, t=round(time.time(), 3))
             if bar:
                 bar.update(step + 1 - self.start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
             if stopping:
                 self.stopped_by = "SIGTERM"
                 break
         return records, tokens, flops, saves
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """A collective that fails because a peer went away raises PeerLost, naming the peer."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as e:
+            if self.watch is None:
+                raise
+            raise self.watch.lost(e) from None
 
     def _check_finite(self, step: int, metrics: dict) -> None:
         """Under TrainSettings.nonfinite='stop', end the run before a state that is not all
