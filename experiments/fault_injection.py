@@ -49,14 +49,27 @@ def _xlaopt(*args, **kw) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _steps_done(ledger: pathlib.Path) -> int:
-    if not ledger.exists():
-        return -1
-    done = -1
-    for line in ledger.read_text().splitlines():
-        if line.startswith('{"step"') and line.endswith("}"):
-            done = max(done, json.loads(line)["step"])
-    return done
+class _Progress:
+    """The furthest step process 0's ledger shows, read incrementally: parsing the whole ledger
+    every poll took CPU from the job it watches (thousands of lines, fifty times a second, on a
+    2-core host)."""
+
+    def __init__(self, ledger: pathlib.Path):
+        self.ledger, self.offset, self.done, self.partial = ledger, 0, -1, b""
+
+    def __call__(self) -> int:
+        if not self.ledger.exists():
+            return self.done
+        with open(self.ledger, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        self.offset += len(chunk)
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()  # a line not yet ended
+        for line in lines:
+            if line.startswith(b'{"step"') and line.endswith(b"}"):
+                self.done = max(self.done, json.loads(line)["step"])
+        return self.done
 
 
 def _resume_points(ledger: pathlib.Path) -> list[int]:
@@ -136,11 +149,12 @@ def main() -> int:
                    "--out", replanned)
     assert plan.wait() == 0, plan.stderr.read()[-3000:]
     job, ledger = work / "job", work / "job" / "goodput.jsonl"
+    steps_done = _Progress(ledger)
     attempts, kills, t_job = [], 0, time.time()
     while True:
         fewer = kills > 0 and rng.random() < args.replan
         layout = ["--layout", replanned] if fewer else MESH
-        before = _steps_done(ledger)
+        before = steps_done()
         # One process alone has no peer: its local tier keeps its own copy only.
         local = [*tier, "--local-peers", 0] if tier and fewer else tier
         launcher = _xlaopt("train", *common, *layout, *local, "--processes", 1 if fewer else 2, "--ckpt", job,
@@ -148,7 +162,7 @@ def main() -> int:
         record = {"processes": 1 if fewer else 2, "layout": "replanned cpu:1x2" if fewer else "data=4"}
         if kills < args.kills:
             target = before + rng.randint(20, 400)
-            while _steps_done(ledger) < target and launcher.poll() is None:
+            while steps_done() < target and launcher.poll() is None:
                 time.sleep(0.02)
             if launcher.poll() is None:
                 victims = _children(launcher) if not fewer else []
@@ -156,7 +170,7 @@ def main() -> int:
                 pid = victims[victim] if victims else launcher.pid
                 os.kill(pid, signal.SIGKILL)
                 kills += 1
-                record.update(killed="process %s" % (victim if victim is not None else 0), at_step=_steps_done(ledger))
+                record.update(killed="process %s" % (victim if victim is not None else 0), at_step=steps_done())
         code = launcher.wait()
         record.update(exit=code, resumed_from=_resume_points(ledger)[-1])
         attempts.append(record)
