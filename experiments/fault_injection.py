@@ -120,36 +120,34 @@ def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills:
             "badput": sim["badput"]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--every", type=int, default=100, help="checkpoint every K steps")
-    ap.add_argument("--local-every", type=int, default=10, help="local-tier save every K steps (0: no local tier)")
-    ap.add_argument("--replan", type=float, default=0.0,
-                    help="the share of restarts onto 1 process with a replanned layout (default 0: one layout)")
-    ap.add_argument("--kills", type=int, default=12)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    rng = random.Random(args.seed)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-"))
-    # Node-local memory where there is some, as a job on a real node would use.
-    shm = pathlib.Path("/dev/shm")
-    node_local = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-local-", dir=shm if shm.is_dir() else None))
-    common = [*MODEL, "--steps", args.steps, "--ckpt-every", args.every, "--peer-timeout", 10]
-    tier = ["--local-ckpt", node_local / "job", "--local-every", args.local_every] if args.local_every else []
-    t0 = time.time()
-    reference = _xlaopt("train", *common, *MESH, *[a if a != node_local / "job" else node_local / "ref" for a in tier],
-                        "--processes", 2, "--ckpt", work / "ref", "--json", work / "ref.json")
-    assert reference.wait() == 0, reference.stderr.read()[-3000:]
-    reference_s = time.time() - t0
+def planned_local_every(events: list[dict], measured: dict, kills: int, devices: int = 4) -> dict:
+    """The local interval `plan_intervals` (Daly's) gives this job: its ledger's costs, and a failure
+    every wall / kills seconds, the rate this harness's kills came at (they are not Poisson: Daly
+    models them as if they were)."""
+    from xlaopt.goodput.costs import job_costs
+    from xlaopt.goodput.failures import FailureModel
+    from xlaopt.goodput.interval import plan_intervals
 
+    executed = sum(1 for e in events if "step" in e)
+    costs = job_costs(events, step_overhead_s=measured["badput"]["other_s"] / executed,
+                      restore_s=measured["badput"]["checkpoint_restore_s"] / max(1, measured["restarts"]))
+    job_mtbf_s = measured["wall_s"] / kills
+    failures = FailureModel(job_mtbf_s * devices / 3600, f"a kill every {job_mtbf_s:.1f} s, this run's rate")
+    intervals, _ = plan_intervals(costs, failures, devices, devices // 2, peer_copy=True)
+    return {"local_every": intervals.local_every, "job_mtbf_s": job_mtbf_s, "local_save_s": costs.local_save_s,
+            "step_s": costs.step_s}
+
+
+def _faulted_job(args, common: list, tier: list, work: pathlib.Path) -> tuple[list[dict], int, float]:
+    """Run the job, killing it `args.kills` times; (attempts, kills, seconds)."""
+    rng = random.Random(args.seed)
     replanned = work / "two_devices.json"
-    plan = _xlaopt("plan", *MODEL[:10], "--topology", "cpu:1x2", "--global-batch", 4, "--seq", 32, "--top", 0,
-                   "--out", replanned)
-    assert plan.wait() == 0, plan.stderr.read()[-3000:]
-    job, ledger = work / "job", work / "job" / "goodput.jsonl"
-    steps_done = _Progress(ledger)
+    if args.replan:
+        plan = _xlaopt("plan", *MODEL[:10], "--topology", "cpu:1x2", "--global-batch", 4, "--seq", 32, "--top", 0,
+                       "--out", replanned)
+        assert plan.wait() == 0, plan.stderr.read()[-3000:]
+    job = work / "job"
+    steps_done = _Progress(job / "goodput.jsonl")
     attempts, kills, t_job = [], 0, time.time()
     while True:
         fewer = kills > 0 and rng.random() < args.replan
@@ -172,57 +170,99 @@ def main() -> int:
                 kills += 1
                 record.update(killed="process %s" % (victim if victim is not None else 0), at_step=steps_done())
         code = launcher.wait()
-        record.update(exit=code, resumed_from=_resume_points(ledger)[-1])
+        record.update(exit=code, resumed_from=_resume_points(job / "goodput.jsonl")[-1])
         attempts.append(record)
         print(f"attempt {len(attempts):2d}: {record['processes']} process(es), {record['layout']:18s} resumed from "
               f"step {record['resumed_from']:5d}" + (f", killed {record['killed']} after step {record['at_step']}"
                                               if "killed" in record else "") + f", exit {code}", flush=True)
         if code == 0:
-            break
-    job_s = time.time() - t_job
+            return attempts, kills, time.time() - t_job
 
+
+def _against_reference(args, work: pathlib.Path, attempts: list[dict]) -> dict:
+    """The faulted job's final state and last losses against the uninterrupted run's."""
     ref, final = (json.loads((work / f"{n}.json").read_text()) for n in ("ref", "job"))
-    diff = subprocess.run([sys.executable, "-m", "xlaopt.cli", "ckpt", "diff", work / "ref", job, "--step",
+    diff = subprocess.run([sys.executable, "-m", "xlaopt.cli", "ckpt", "diff", work / "ref", work / "job", "--step",
                            str(args.steps)], capture_output=True, text=True)
     same_layout = all(a["layout"] == "data=4" for a in attempts)
-    last_ref = ref["steps"][-1]["loss"]
-    last_job = final["steps"][-1]["loss"]
     tail = ref["steps"][-len(final["steps"]):]
     max_rel = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(final["steps"], tail))
-    tokens_equal = [r["tokens"] for r in final["steps"]] == [r["tokens"] for r in ref["steps"][-len(final["steps"]):]]
-    g = final["goodput"]
-    prediction = predict(ledger, g, args.steps, args.every, kills, args.local_every, args.replan)
-    restores = [e for e in goodput.read(str(job)) if "restore_s" in e or "local_restore_s" in e]
+    tokens_equal = [r["tokens"] for r in final["steps"]] == [r["tokens"] for r in tail]
+    print(f"uninterrupted run: goodput {100 * ref['goodput']['goodput']:.1f}% of {ref['goodput']['wall_s']:.0f} s")
+    print(f"final state vs uninterrupted: ckpt diff exit {diff.returncode} "
+          f"({'bit-identical' if diff.returncode == 0 else 'differs'}; expected "
+          f"{'identical' if same_layout else 'to differ: a restart ran on another layout'})")
+    print(f"last loss {final['steps'][-1]['loss']:.6f} vs {ref['steps'][-1]['loss']:.6f}; the final attempt's "
+          f"{len(final['steps'])} losses within {max_rel:.1e} relative (tolerance {LOSS_RTOL:g}); their tokens "
+          f"equal: {tokens_equal}")
+    return {"reference_goodput": ref["goodput"], "ckpt_diff_exit": diff.returncode,
+            "same_layout_throughout": same_layout, "last_loss": final["steps"][-1]["loss"],
+            "reference_last_loss": ref["steps"][-1]["loss"], "max_rel_loss_diff_final_attempt": max_rel,
+            "tokens_equal": tokens_equal,
+            "ok": max_rel <= LOSS_RTOL and tokens_equal and (diff.returncode == 0 or not same_layout)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--every", type=int, default=100, help="checkpoint every K steps")
+    ap.add_argument("--local-every", type=int, default=10, help="local-tier save every K steps (0: no local tier)")
+    ap.add_argument("--replan", type=float, default=0.0,
+                    help="the share of restarts onto 1 process with a replanned layout (default 0: one layout)")
+    ap.add_argument("--kills", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the uninterrupted run (for sweeps of the interval: goodput only)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-"))
+    # Node-local memory where there is some, as a job on a real node would use.
+    shm = pathlib.Path("/dev/shm")
+    node_local = pathlib.Path(tempfile.mkdtemp(prefix="xlaopt-faults-local-", dir=shm if shm.is_dir() else None))
+    common = [*MODEL, "--steps", args.steps, "--ckpt-every", args.every, "--peer-timeout", 10]
+    local_every = ["--local-every", args.local_every]
+    t0 = time.time()
+    if not args.no_reference:
+        tier = ["--local-ckpt", node_local / "ref", *local_every] if args.local_every else []
+        reference = _xlaopt("train", *common, *MESH, *tier, "--processes", 2, "--ckpt", work / "ref",
+                            "--json", work / "ref.json")
+        assert reference.wait() == 0, reference.stderr.read()[-3000:]
+    reference_s = time.time() - t0
+    tier = ["--local-ckpt", node_local / "job", *local_every] if args.local_every else []
+    attempts, kills, job_s = _faulted_job(args, common, tier, work)
     shutil.rmtree(node_local, ignore_errors=True)
+
+    g = json.loads((work / "job.json").read_text())["goodput"]
+    events = goodput.read(str(work / "job"))
+    prediction = predict(work / "job" / "goodput.jsonl", g, args.steps, args.every, kills, args.local_every,
+                         args.replan)
+    planned = planned_local_every(events, g, kills) if args.local_every else None
+    restores = [e for e in events if "restore_s" in e or "local_restore_s" in e]
     print(f"\n{kills} SIGKILLs, {g['restarts']} restarts ({sum(a['processes'] == 1 for a in attempts)} on 1 process "
           f"with the replanned layout), {g['lost_steps']} steps lost and redone")
     print(f"restores: {sum('local_restore_s' in e for e in restores)} from the local tier, "
           f"{sum('restore_s' in e for e in restores)} from the persistent one; each restart's time to its first step "
           f"(median) {statistics.median(r['to_first_step_s'] for r in g['restart_times']):.2f} s, cold start "
           f"{g['cold_start_s']:.2f} s")
-    print(f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.0f} s wall; uninterrupted run: "
-          f"{100 * ref['goodput']['goodput']:.1f}% of {ref['goodput']['wall_s']:.0f} s")
+    print(f"goodput {100 * g['goodput']:.1f}% of {g['wall_s']:.0f} s wall")
     print("badput: " + ", ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in g["badput"].items()))
-    print(f"final state vs uninterrupted: ckpt diff exit {diff.returncode} "
-          f"({'bit-identical' if diff.returncode == 0 else 'differs'}; expected "
-          f"{'identical' if same_layout else 'to differ: a restart ran on another layout'})")
-    print(f"last loss {last_job:.6f} vs {last_ref:.6f}; the final attempt's {len(final['steps'])} losses within "
-          f"{max_rel:.1e} relative (tolerance {LOSS_RTOL:g}); their tokens equal: {tokens_equal}")
+    compared = {} if args.no_reference else _against_reference(args, work, attempts)
     print(f"predicted goodput {100 * prediction['predicted_goodput']:.1f}% (the simulator over "
           f"{prediction['seeds']} draws of the kills, 5th-95th percentile {100 * prediction['p5']:.1f}-"
           f"{100 * prediction['p95']:.1f}%), measured {100 * g['goodput']:.1f}%: "
           f"{100 * (prediction['predicted_goodput'] - g['goodput']):+.1f} points")
+    if planned:
+        print(f"the local interval Daly's plan gives this job: every {planned['local_every']} steps (a kill every "
+              f"{planned['job_mtbf_s']:.1f} s, a local save {1e3 * planned['local_save_s']:.1f} ms, a step "
+              f"{1e3 * planned['step_s']:.1f} ms); this run saved every {args.local_every}")
     print(f"harness wall time {time.time() - t0:.0f} s (uninterrupted run {reference_s:.0f} s, faulted job {job_s:.0f} s)")
-    ok = (max_rel <= LOSS_RTOL and tokens_equal and kills >= min(args.kills, 10)
-          and (diff.returncode == 0 or not same_layout))
+    ok = kills >= min(args.kills, 10) and compared.get("ok", True)
     result = {"steps": args.steps, "every": args.every, "local_every": args.local_every, "replan": args.replan,
               "kills": kills, "attempts": attempts, "goodput": g,
               "restores": {"local": sum("local_restore_s" in e for e in restores),
                            "persistent": sum("restore_s" in e for e in restores)},
               "predicted_goodput": prediction["predicted_goodput"], "prediction": prediction,
-              "reference_goodput": ref["goodput"], "reference_s": reference_s, "job_s": job_s,
-              "ckpt_diff_exit": diff.returncode, "same_layout_throughout": same_layout, "last_loss": last_job,
-              "reference_last_loss": last_ref, "max_rel_loss_diff_final_attempt": max_rel, "tokens_equal": tokens_equal, "ok": ok}
+              "planned_local_every": planned, "reference_s": reference_s, "job_s": job_s, **compared, "ok": ok}
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     return 0 if ok else 1

@@ -164,3 +164,71 @@ def test_the_command_prints_the_plan_beside_given_intervals(tmp_path, capsys):
     assert "a job of 1,024 GPUs fails every" in text and "planned" in text and "--every 3000" in text
     assert math.isclose(planned["daly_goodput"], expected_goodput(JobCosts(2.5, 4, 90, 180, 60),
                                                                   Intervals(planned["every"]), report["job_mtbf_s"]))
+
+
+class _Manager:
+    """A persistent tier that records its saves; a save blocks 2 ms, its write takes 30 ms more."""
+
+    def __init__(self):
+        self.saved = []
+
+    def save(self, step, state, meta):
+        from xlaopt.checkpoint.manager import SaveInfo
+
+        self.saved.append(step)
+        return SaveInfo(step, 1000, 0.002)
+
+    def wait(self):
+        import time
+
+        time.sleep(0.03)
+
+
+class _Local:
+    def __init__(self):
+        self.saved = []
+
+    def save(self, step, state, meta):
+        self.saved.append(step)
+        return 0.001
+
+
+class _Ledger:
+    def __init__(self):
+        self.events = []
+
+    def record(self, **event):
+        self.events.append(event)
+
+
+def test_ckpt_every_auto_probes_plans_with_the_planner_and_saves_on_its_plan():
+    """`train --ckpt-every auto`'s schedule: two local probes and a persistent one after 10 steps
+    into the attempt, then process 0's plan (`plan_intervals` on the probes' costs), then saves
+    at its intervals, a local save skipped where a persistent one is due."""
+    import contextlib
+
+    from xlaopt.goodput import auto
+    from xlaopt.runtime.saving import CheckpointOptions, Saves
+
+    failures = FailureModel(0.2)  # no real device fails this often: a plan whose intervals a test can see
+    ckpt = CheckpointOptions("unused", "auto", local="unused", local_every="auto", local_peers=1, failures=failures)
+    manager, local, ledger = _Manager(), _Local(), _Ledger()
+    saves = Saves(ckpt, manager, local, ledger, 100, contextlib.nullcontext, {"setup_s": 3.0})
+    step_times = [0.05] + [0.01] * 400  # the first step warms up
+    for done in range(101, 501):
+        saves.after(done, 500, None, dict, False, lambda done=done: step_times[:done - 100])
+    planned = saves.planned
+    assert manager.saved[0] == 110 and local.saved[:2] == [104, 107]
+    costs = JobCosts(**planned["costs"])
+    assert costs.step_s == pytest.approx(0.01) and costs.save_s == 0.002 and costs.local_save_s == 0.001
+    assert costs.write_s >= 0.03  # the probe's write, waited for
+    import jax
+
+    expected, _ = plan_intervals(costs, failures, jax.device_count(), jax.local_device_count(), peer_copy=True)
+    assert (planned["every"], planned["local_every"]) == (expected.every, expected.local_every)
+    every, local_every = expected.every, expected.local_every
+    assert 1 < local_every < every < 400 and every % local_every == 0
+    assert manager.saved == [110] + [s for s in range(111, 501) if s % every == 0 or s == 500]
+    assert local.saved == [104, 107] + [s for s in range(111, 501) if s % local_every == 0 and s % every and s != 500]
+    assert [e for e in ledger.events if "planned" in e][0]["planned"]["every"] == every
+    assert auto.describe(planned).startswith(f"checkpoint intervals planned (Daly's): persistent every {every} steps")

@@ -98,7 +98,7 @@ def analyze(program, topology: Any) -> dict:
 
 def train(program, steps: int, *, data: str | None = None, ckpt: Any = None, progress: bool = False) -> dict:
     """Train `steps` steps (on a sample store `data`, else the family's synthetic stream); the
-    run's summary. `ckpt`: an `xlaopt.runtime.train.CheckpointOptions`."""
+    run's summary. `ckpt`: an `xlaopt.runtime.saving.CheckpointOptions`."""
     from xlaopt.runtime.train import train as train_
 
     return train_(program, steps, progress=progress, data_dir=data, ckpt=ckpt)

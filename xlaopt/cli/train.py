@@ -16,12 +16,13 @@ class TrainRequest:
     rows: RowSource
     steps: int
     ckpt: str | None
-    ckpt_every: int | None
+    ckpt_every: str | None
     keep: int
     keep_every: int | None
     resume: bool
     local_ckpt: str | None
-    local_every: int | None
+    local_every: str | None
+    mtbf: str
     local_peers: int | None
     no_progress: bool
     coordinator: str | None
@@ -51,8 +52,12 @@ def register(sub) -> None:
                    help="skip stored samples longer than a row (counted in the loader state and the summary) "
                         "instead of stopping with an error")
     p.add_argument("--ckpt", default=None, metavar="DIR", help="save checkpoints (state and data position) here")
-    p.add_argument("--ckpt-every", type=int, default=None, metavar="K",
-                   help="save every K steps (default: only after the last step)")
+    p.add_argument("--ckpt-every", default=None, metavar="K|auto",
+                   help="save every K steps (default: only after the last step); `auto`: planned in the run from "
+                        "its first save's cost and --mtbf (Daly's interval, for both tiers with --local-ckpt)")
+    p.add_argument("--mtbf", default="llama3", metavar="HOURS|llama3",
+                   help="for --ckpt-every auto: the mean time between failures per device, in hours, or `llama3` "
+                        "(Llama 3 405B's published rate, about 50,700 h a GPU; the default)")
     p.add_argument("--keep", type=int, default=3, metavar="N", help="keep the newest N checkpoints (default 3)")
     p.add_argument("--keep-every", type=int, default=None, metavar="K",
                    help="also keep every checkpoint whose step is a multiple of K")
@@ -62,8 +67,9 @@ def register(sub) -> None:
                    help="also keep a local checkpoint tier: each process saves its own shards under DIR on its node's "
                         "own disk (e.g. /dev/shm/JOB), copied to --local-peers other processes; a restore takes the "
                         "newest step over both tiers (needs --ckpt for the persistent tier)")
-    p.add_argument("--local-every", type=int, default=None, metavar="K",
-                   help="save to the local tier every K steps (default: 10 with --local-ckpt)")
+    p.add_argument("--local-every", default=None, metavar="K|auto",
+                   help="save to the local tier every K steps, or `auto` (default: 10 with --local-ckpt; auto when "
+                        "--ckpt-every is)")
     p.add_argument("--local-peers", type=int, default=None, metavar="P",
                    help="how many other processes keep a copy of each process's local shards (default: 1 in a "
                         "multi-process job, 0 alone)")
@@ -103,7 +109,20 @@ def _refuse_fp8(program: ProgramRequest) -> None:
                         "an h100 or h200 topology; verify checks them on the CPU); train here with matmuls=compute")
 
 
-def _local_tier(request: TrainRequest, processes: int) -> tuple[str | None, int | None, int]:
+def _interval(flag: str, given: str | None) -> int | str | None:
+    """A checkpoint interval flag's value: a positive step count, `auto`, or None (not given)."""
+    if given is None or given == "auto":
+        return given
+    try:
+        steps = int(given)
+    except ValueError:
+        raise UserError(f"{flag} {given!r}: give a number of steps or `auto`") from None
+    if steps < 1:
+        raise UserError(f"{flag} {steps}: must be a positive number of steps")
+    return steps
+
+
+def _local_tier(request: TrainRequest, processes: int, auto: bool) -> tuple[str | None, int | str | None, int]:
     """(directory, interval, peers) of the local checkpoint tier, checked before any work."""
     from xlaopt.checkpoint import local
 
@@ -114,9 +133,7 @@ def _local_tier(request: TrainRequest, processes: int) -> tuple[str | None, int 
     if request.ckpt is None:
         raise UserError("--local-ckpt needs --ckpt DIR: the local tier backs a persistent one, which serves a "
                         "restart the local tier cannot (a lost node with its peer, another layout)")
-    every = 10 if request.local_every is None else request.local_every
-    if every < 1:
-        raise UserError(f"--local-every {every}: must be a positive number of steps")
+    every = _interval("--local-every", request.local_every) or ("auto" if auto else 10)
     peers = (1 if processes > 1 else 0) if request.local_peers is None else request.local_peers
     local.check_peers(peers, processes)
     local.check_local(request.local_ckpt, request.ckpt)
@@ -130,26 +147,29 @@ def run(request: TrainRequest) -> int:
     if rate is not None and not (math.isfinite(rate) and rate >= 0):
         raise UserError(f"--learning-rate {rate:g}: need a finite rate >= 0")
     _refuse_fp8(request.program)
-    local_tier = _local_tier(request, request.processes or request.num_processes or 1)
+    every = _interval("--ckpt-every", request.ckpt_every)
+    if request.ckpt is None and (request.resume or every is not None):
+        raise UserError("--resume and --ckpt-every need --ckpt DIR")
+    from xlaopt.goodput.failures import failure_model
+
+    failures = failure_model(request.mtbf)
+    local_tier = _local_tier(request, request.processes or request.num_processes or 1, auto=every == "auto")
     if request.processes is not None:
         return _launch(request)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     import jax
 
     from xlaopt.cli import programs
-    from xlaopt.runtime.train import CheckpointOptions, FaultOptions, format_summary, train
+    from xlaopt.runtime.saving import CheckpointOptions
+    from xlaopt.runtime.train import FaultOptions, format_summary, train
 
     job = programs.Job(request.coordinator, request.num_processes, request.process_id, request.peer_timeout)
     program, data = programs.program_on_devices(request.program, request.rows, job,
                                                 learning_rate=rate, nonfinite=request.on_nonfinite)
     ckpt = None
     if request.ckpt is not None:
-        if request.ckpt_every is not None and request.ckpt_every < 1:
-            raise UserError(f"--ckpt-every {request.ckpt_every}: must be a positive number of steps")
-        ckpt = CheckpointOptions(request.ckpt, request.ckpt_every, request.resume, request.keep, request.keep_every,
-                                 *local_tier)
-    elif request.resume or request.ckpt_every is not None:
-        raise UserError("--resume and --ckpt-every need --ckpt DIR")
+        ckpt = CheckpointOptions(request.ckpt, every, request.resume, request.keep, request.keep_every, *local_tier,
+                                 failures=failures)
     program, passes = programs.apply_pipeline(request.program, program, request.program.dump_hlo,
                                               programs.cluster(request.program, program))
     lead = jax.process_index() == 0  # in a multi-process job, one process reports

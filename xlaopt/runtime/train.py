@@ -25,6 +25,7 @@ from xlaopt.program import TrainProgram
 from xlaopt.runtime import distributed, goodput
 from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S, PeerLost, PeerWatch, StopSignal
 from xlaopt.runtime.progress import ProgressBar
+from xlaopt.runtime.saving import CheckpointOptions, Saves
 from xlaopt.sharding import row_groups
 from xlaopt.step import param_count
 
@@ -33,29 +34,6 @@ def _counted(program: TrainProgram, batch: dict):
     """A host batch with its real (non-padding) tokens and model FLOPs."""
     family = family_of(program.model)
     return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointOptions:
-    """Save to `directory` every `every` steps and after the last; `resume` continues from
-    the newest committed step there (or starts fresh when there is none)."""
-    directory: str
-    every: int | None = None
-    resume: bool = False
-    keep_last: int = 3
-    keep_every: int | None = None
-    # The local tier (xlaopt.checkpoint.local): each process's node-local directory under `local`,
-    # a save every `local_every` steps, copied to `local_peers` other processes.
-    local: str | None = None
-    local_every: int | None = None
-    local_peers: int = 0
-
-    def due(self, done: int, steps: int) -> bool:
-        return done == steps or (self.every is not None and done % self.every == 0)
-
-    def due_local(self, done: int, steps: int) -> bool:
-        """A local save, unless a persistent one is due: a restore takes the newer of the two."""
-        return self.local_every is not None and done % self.local_every == 0 and not self.due(done, steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +124,8 @@ class _Run:
     def __init__(self, program: TrainProgram, ckpt: CheckpointOptions | None, faults: FaultOptions,
                  watch: PeerWatch | None):
         self.program, self.ckpt, self.faults, self.watch = program, ckpt, faults, watch
-        self.manager = self.loader = self.resumed = self.local = self.local_blob = None
+        self.manager = self.loader = self.resumed = self.local = self.local_blob = self.saves = None
+        self.local_restored = False
         self.meta: dict | None = None
         self.stopped_by: str | None = None
         self._closed = False
@@ -196,6 +175,7 @@ class _Run:
         if self.resumed is None:
             self.state = compiled.init(jax.random.fold_in(self.key, 0))
         elif self.local_blob is not None:
+            self.local_restored = True
             header, payload, where, fetch_s = self.local_blob
             self.state = local_format.assemble(header, payload, compiled.abstract_state, where)
             self.local_blob = None
@@ -208,8 +188,13 @@ class _Run:
             self.ledger.record(restore_s=restore_s)
         self.start = int(self.state.step)
         started = self.faults.started or time.time()
-        self.ledger.record(resumed_from=self.start, processes=jax.process_count(),
-                           setup_s=max(0.0, time.time() - started - restore_s))
+        setup_s = max(0.0, time.time() - started - restore_s)
+        self.ledger.record(resumed_from=self.start, processes=jax.process_count(), setup_s=setup_s)
+        if self.ckpt is not None:
+            attempt = {"setup_s": setup_s, **({"restore_s": restore_s} if self.resumed is not None else {})}
+            if self.local_restored:
+                attempt = {"setup_s": setup_s, "local_restore_s": restore_s}
+            self.saves = Saves(self.ckpt, self.manager, self.local, self.ledger, self.start, self._collective, attempt)
 
     def _batches(self, steps: int):
         program, compiled, start = self.program, self.compiled, self.start
@@ -228,10 +213,10 @@ class _Run:
                 self.watch.disarm()
 
     def _steps(self, steps: int, progress: bool, stop: StopSignal):
-        compiled, loader, manager, ledger, watch = self.compiled, self.loader, self.manager, self.ledger, self.watch
+        compiled, loader, ledger, watch = self.compiled, self.loader, self.ledger, self.watch
         batches = self._batches(steps)
         bar = ProgressBar(steps - self.start) if progress else None
-        records, flops, tokens, saves = [], [], [], []
+        records, flops, tokens = [], [], []
         if watch:
             if jax.process_count() > 1:
                 # Processes restore, compile and open their data at their own pace (a loaded
@@ -264,20 +249,15 @@ class _Run:
             if loader is not None:
                 loader.size_window(t_end - t_step)
             stopping = stop.reached(step + 1) and step + 1 < steps
-            if manager is not None and (self.ckpt.due(step + 1, steps) or stopping):
-                info = manager.save(step + 1, self.state, _run_meta(self.program, loader))
-                saves.append({"step": info.step, "bytes": info.bytes, "blocking_s": info.blocking_s})
-                ledger.record(save_s=info.blocking_s, t=round(time.time(), 3))
-            elif self.local is not None and self.ckpt.due_local(step + 1, steps):
-                with self._collective():  # the copy to a peer is a collective too
-                    local_save_s = self.local.save(step + 1, self.state, _run_meta(self.program, loader))
-                ledger.record(local_save_s=local_save_s, t=round(time.time(), 3))
+            if self.saves is not None:
+                self.saves.after(step + 1, steps, self.state, lambda: _run_meta(self.program, loader), stopping,
+                                 lambda: [r["step_time_s"] for r in records])
             if bar:
                 bar.update(step + 1 - self.start, f"loss {metrics['loss']:.3f}  {t_end - t_step:.2f}s/step")
             if stopping:
                 self.stopped_by = "SIGTERM"
                 break
-        return records, tokens, flops, saves
+        return records, tokens, flops, self.saves.records if self.saves is not None else []
 
     @contextlib.contextmanager
     def _collective(self):
@@ -370,6 +350,7 @@ def _summary(run: _Run, data_dir: str | None, records: list, tokens: list, flops
         "peak_flops_per_s": peak.flops_per_s,
         "peak_source": peak.source,
         "checkpoint": ({"dir": ckpt.directory, "resumed_from": run.resumed, "saves": saves,
+                        "planned": run.saves.planned if run.saves is not None else None,
                         "committed": run.manager.steps()} if ckpt is not None else None),
         "stopped_by": run.stopped_by,
         "goodput": goodput.goodput(run.ledger.history(), time.time()),
