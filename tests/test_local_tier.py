@@ -16,6 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from xlaopt.checkpoint import CheckpointError, local, local_format
 from xlaopt.cli import main
+from xlaopt.errors import UserError
+from xlaopt.io import node_local
 
 from conftest import finish
 
@@ -77,21 +79,21 @@ def test_the_job_restores_the_newest_step_every_process_can_get():
 
 
 def test_the_local_tier_must_be_local_writable_and_match_the_job(tmp_path):
-    with pytest.raises(CheckpointError, match="is, or overlaps, the persistent --ckpt"):
-        local.check_local(tmp_path / "ckpt" / "local", tmp_path / "ckpt")
+    with pytest.raises(UserError, match="is, or overlaps, the persistent --ckpt"):
+        node_local.check_local(tmp_path / "ckpt" / "local", tmp_path / "ckpt")
     blocked = tmp_path / "file"
     blocked.write_text("")
-    with pytest.raises(CheckpointError, match="cannot write there"):
-        local.check_local(blocked / "local", tmp_path / "ckpt")
+    with pytest.raises(UserError, match="cannot write there"):
+        node_local.check_local(blocked / "local", tmp_path / "ckpt")
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw 0 0\nserver:/export /mnt/shared nfs4 rw 0 0\n")
-    assert local.filesystem_type(pathlib.Path("/mnt/shared/job"), str(mounts)) == "nfs4"
-    assert local.filesystem_type(pathlib.Path("/mnt/sharedx"), str(mounts)) == "ext4"
+    assert node_local.filesystem_type(pathlib.Path("/mnt/shared/job"), str(mounts)) == "nfs4"
+    assert node_local.filesystem_type(pathlib.Path("/mnt/sharedx"), str(mounts)) == "ext4"
     for peers, processes, why in ((1, 1, "no peer"), (2, 2, r"at most 1 other\(s\)"), (-1, 2, "0 or more")):
-        with pytest.raises(CheckpointError, match=why):
-            local.check_peers(peers, processes)
-    local.check_peers(0, 1)
-    local.check_peers(3, 4)
+        with pytest.raises(UserError, match=why):
+            node_local.check_peers(peers, processes)
+    node_local.check_peers(0, 1)
+    node_local.check_peers(3, 4)
 
 
 TINY = ["--model", "llama-tiny", "--set", "num_layers=1", "--set", "d_model=64", "--set", "mlp_dim=128",

@@ -27,10 +27,9 @@ import numpy as np
 
 from xlaopt.checkpoint import coordination, local_format, peer
 from xlaopt.checkpoint.layout import CheckpointError, fsync_dir
+from xlaopt.io.node_local import check_peers
 
 _FILE = re.compile(r"^step_(\d{8,})\.p(\d{5,})\.xlt$")
-NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs",
-                       "9p", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.juicefs", "afs"}
 
 
 def process_dir(root, process: int) -> pathlib.Path:
@@ -152,58 +151,6 @@ def newest_complete(everyone: list[dict[int, list[int]]], n: int, peers: int) ->
 def source_of(everyone: list[dict[int, list[int]]], i: int, step: int, n: int, peers: int) -> int | None:
     """How many places on from process i the nearest holder of i's `step` is (0: i itself)."""
     return next((k for k in range(peers + 1) if step in everyone[(i + k) % n].get(i, ())), None)
-
-
-def check_peers(peers: int, processes: int) -> None:
-    if peers < 0:
-        raise CheckpointError(f"--local-peers {peers}: a count of peer processes, 0 or more")
-    if processes == 1 and peers:
-        raise CheckpointError(f"--local-peers {peers}: a job of one process has no peer to copy its local tier to; "
-                              f"give --local-peers 0 (and a persistent --ckpt for a node lost)")
-    if peers >= processes > 1:
-        raise CheckpointError(f"--local-peers {peers}: the job has {processes} processes, so at most {processes - 1} "
-                              f"other(s) can hold a copy; give --local-peers 1 to {processes - 1}")
-
-
-def check_local(root, persistent) -> pathlib.Path:
-    """`root` as a local tier: writable, and local (not a network filesystem, not inside the
-    persistent tier's directory). A CheckpointError naming the fix otherwise, before any work."""
-    path = pathlib.Path(root).expanduser().absolute()
-    if persistent is not None:
-        ckpt = pathlib.Path(persistent).expanduser().absolute()
-        if path == ckpt or path.is_relative_to(ckpt) or ckpt.is_relative_to(path):
-            raise CheckpointError(f"--local-ckpt {root}: it is, or overlaps, the persistent --ckpt {persistent}; "
-                                  f"the local tier lives on each node's own disk (e.g. /dev/shm/JOB or /local/JOB)")
-    fs = filesystem_type(path)
-    if fs in NETWORK_FILESYSTEMS:
-        raise CheckpointError(f"--local-ckpt {root}: on a {fs} filesystem, shared over the network, not node-local; "
-                              f"give a path on the node's own disk or /dev/shm")
-    probe = path / f".probe-{os.getpid()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"--local-ckpt {root}: cannot write there ({e.strerror or e}); give a writable "
-                              f"node-local directory") from None
-    return path
-
-
-def filesystem_type(path: pathlib.Path, mounts: str = "/proc/mounts") -> str | None:
-    """The type of the filesystem holding `path` (its longest mount point in `mounts`); None if unknown."""
-    try:
-        table = pathlib.Path(mounts).read_text().splitlines()
-    except OSError:
-        return None
-    best, kind = "", None
-    for line in table:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
 
 
 # -- read-only views of a whole local tier (`xlaopt ckpt verify|diff`) ---------------------

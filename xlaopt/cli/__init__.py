@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         if "compile_cache" in vars(args):  # a command that compiles (flags.compile_cache_args)
             from xlaopt.compiler import cache as compile_cache
 
-            compile_cache.configure(args.compile_cache)  # an unwritable directory: exit 2 before any work
+            # An unwritable directory: exit 2 before any work. A launcher (`train --processes N`)
+            # compiles nothing: it checks the directory without importing JAX; its processes use it.
+            if getattr(args, "processes", None) is not None:
+                compile_cache.check(args.compile_cache)
+            else:
+                compile_cache.configure(args.compile_cache)
         return _COMMANDS[args.command](args)
     except XlaoptError as e:  # the one place an error becomes its exit status (xlaopt.errors' table)
         print(f"xlaopt {args.command}: error: {str(e).translate(_LINE_BREAKS)}", file=sys.stderr)

@@ -21,7 +21,7 @@ from xlaopt.mesh import make_mesh, request_cpu_devices
 from xlaopt.models.registry import get_config, parse_overrides
 from xlaopt.pipeline import parse_pass_options, pipeline, run_pipeline, select_passes
 from xlaopt.runtime import distributed
-from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S
+from xlaopt.runtime.faults import peer_timeout_s
 from xlaopt.transforms.compiler_options import CompilerOptions
 
 
@@ -89,13 +89,6 @@ class Job:
     peer_timeout: float | None = None
 
 
-def peer_timeout(given: float | None) -> float:
-    timeout = DEFAULT_PEER_TIMEOUT_S if given is None else given
-    if not 0 < timeout <= 86400:
-        raise UserError(f"--peer-timeout {given:g}: need seconds in (0, 86400]")
-    return timeout
-
-
 def program_on_devices(request: ProgramRequest, rows: RowSource | None = None, job: Job | None = None, **settings):
     """(the program the request describes, the store it trains on or None), with the simulated
     devices its mesh needs; `settings` as `program`'s."""
@@ -105,7 +98,7 @@ def program_on_devices(request: ProgramRequest, rows: RowSource | None = None, j
     config = config_of(request.model, request.overrides)
     if distributed.check_args(job.coordinator, job.num_processes, job.process_id):
         request_cpu_devices(distributed.local_device_count(mesh.num_devices, job.num_processes))
-        distributed.initialize(job.coordinator, job.num_processes, job.process_id, peer_timeout(job.peer_timeout))
+        distributed.initialize(job.coordinator, job.num_processes, job.process_id, peer_timeout_s(job.peer_timeout))
     else:
         request_cpu_devices(mesh.num_devices)
     make_mesh(mesh)  # enough devices? say so before any compilation or data making

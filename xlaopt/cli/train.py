@@ -124,7 +124,7 @@ def _interval(flag: str, given: str | None) -> int | str | None:
 
 def _local_tier(request: TrainRequest, processes: int, auto: bool) -> tuple[str | None, int | str | None, int]:
     """(directory, interval, peers) of the local checkpoint tier, checked before any work."""
-    from xlaopt.checkpoint import local
+    from xlaopt.io import node_local
 
     if request.local_ckpt is None:
         if request.local_every is not None or request.local_peers is not None:
@@ -135,8 +135,8 @@ def _local_tier(request: TrainRequest, processes: int, auto: bool) -> tuple[str 
                         "restart the local tier cannot (a lost node with its peer, another layout)")
     every = _interval("--local-every", request.local_every) or ("auto" if auto else 10)
     peers = (1 if processes > 1 else 0) if request.local_peers is None else request.local_peers
-    local.check_peers(peers, processes)
-    local.check_local(request.local_ckpt, request.ckpt)
+    node_local.check_peers(peers, processes)
+    node_local.check_local(request.local_ckpt, request.ckpt)
     return request.local_ckpt, every, peers
 
 
@@ -146,7 +146,6 @@ def run(request: TrainRequest) -> int:
     rate = request.learning_rate
     if rate is not None and not (math.isfinite(rate) and rate >= 0):
         raise UserError(f"--learning-rate {rate:g}: need a finite rate >= 0")
-    _refuse_fp8(request.program)
     every = _interval("--ckpt-every", request.ckpt_every)
     if request.ckpt is None and (request.resume or every is not None):
         raise UserError("--resume and --ckpt-every need --ckpt DIR")
@@ -156,10 +155,12 @@ def run(request: TrainRequest) -> int:
     local_tier = _local_tier(request, request.processes or request.num_processes or 1, auto=every == "auto")
     if request.processes is not None:
         return _launch(request)
+    _refuse_fp8(request.program)
     # Imported here, not at the top: `xlaopt --help` and the cheap commands import no JAX.
     import jax
 
     from xlaopt.cli import programs
+    from xlaopt.runtime.faults import peer_timeout_s
     from xlaopt.runtime.saving import CheckpointOptions
     from xlaopt.runtime.train import FaultOptions, format_summary, train
 
@@ -173,7 +174,7 @@ def run(request: TrainRequest) -> int:
     program, passes = programs.apply_pipeline(request.program, program, request.program.dump_hlo,
                                               programs.cluster(request.program, program))
     lead = jax.process_index() == 0  # in a multi-process job, one process reports
-    faults = FaultOptions(programs.peer_timeout(request.peer_timeout), request.started)
+    faults = FaultOptions(peer_timeout_s(request.peer_timeout), request.started)
     result = train(program, request.steps, progress=lead and not request.no_progress, data_dir=data, ckpt=ckpt,
                    skip_oversize=request.rows.skip_oversize, faults=faults)
     result["passes"] = passes
@@ -184,13 +185,22 @@ def run(request: TrainRequest) -> int:
 
 
 def _launch(request: TrainRequest) -> int:
-    """`train --processes N`: checked here, then run as N local processes (one of them: in-process)."""
-    # Imported here, not at the top: `xlaopt --help` imports no JAX.
-    from xlaopt.cli import main, programs
+    """`train --processes N`: checked here, then run as N local processes (one of them: in-process).
+    Without JAX unless a layout file must be read: a restarted job's processes start 1.3 s sooner
+    (the import of JAX and the models, measured here); each process checks the rest itself."""
+    from xlaopt.cli import main
+    from xlaopt.mesh import MeshSpec
     from xlaopt.runtime import launch
+    from xlaopt.runtime.faults import peer_timeout_s
 
-    launch.check_processes(request.processes, request.coordinator, programs.layout_of(request.program).mesh.num_devices)
+    if request.program.layout is None:
+        devices = MeshSpec.parse(request.program.mesh).num_devices
+    else:
+        from xlaopt.cli import programs
+
+        devices = programs.layout_of(request.program).mesh.num_devices
+    launch.check_processes(request.processes, request.coordinator, devices)
     argv = launch.strip_option(list(request.argv[1:]), "--processes")
     if request.processes == 1:
         return main(["train", *argv])
-    return launch.launch(argv, request.processes, programs.peer_timeout(request.peer_timeout))
+    return launch.launch(argv, request.processes, peer_timeout_s(request.peer_timeout))

@@ -31,6 +31,14 @@ from xlaopt.errors import EXIT_PEER_LOST, RunFailed, UserError
 DEFAULT_PEER_TIMEOUT_S = 60.0
 
 
+def peer_timeout_s(given: float | None) -> float:
+    """`--peer-timeout`: seconds in (0, one day], the default when not given."""
+    timeout = DEFAULT_PEER_TIMEOUT_S if given is None else given
+    if not 0 < timeout <= 86400:
+        raise UserError(f"--peer-timeout {given:g}: need seconds in (0, 86400]")
+    return timeout
+
+
 class PeerLost(RunFailed):
     """A collective failed because a peer process went away."""
     exit_code = EXIT_PEER_LOST
