@@ -144,3 +144,21 @@ def test_every_process_of_a_cpu_job_writes_and_then_reads_its_own_entry(tmp_path
     assert len(list(cache.glob("jit_train_step-*-cache"))) == 2  # one entry a process
     again = job()
     assert all("Persistent compilation cache hit for 'jit_train_step'" in err for err in again), again[1][-3000:]
+
+
+def test_the_activation_trace_is_read_back_from_disk_equal_and_keyed_by_program(tmp_path, monkeypatch):
+    from xlaopt import step
+    from xlaopt.compiler import trace_cache
+
+    monkeypatch.setattr(compile_cache, "_directory", tmp_path)
+    program = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=2,tensor=2"))
+    traced = step._trace_activation_axes(program)
+    assert trace_cache.cached("activations", program, lambda: step._trace_activation_axes(program)) == traced
+    entries = list((tmp_path / "traces").glob("activations-*.json"))
+    assert len(entries) == 1
+    # Read back, not traced again: a compute that would fail is never called, and the value is equal.
+    assert trace_cache.cached("activations", program, lambda: 1 / 0) == traced
+    other = program.replace(mesh=MeshSpec.parse("data=4"))
+    assert trace_cache.cached("activations", other, lambda: "traced") == "traced"  # another program, another entry
+    entries[0].write_text("{damaged")
+    assert trace_cache.cached("activations", program, lambda: step._trace_activation_axes(program)) == traced

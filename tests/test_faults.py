@@ -145,7 +145,9 @@ def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     assert g["cold_start_s"] > 0
     # A persistent restore reads while the step compiles: the start waits only for what is left of it.
     restores = [e for e in _ledger(job) if "restore_total_s" in e]
-    assert len(restores) == 3 and all(0 <= e["restore_s"] <= e["restore_total_s"] for e in restores), restores
+    resumed = [e for e in _ledger(job) if e.get("resumed_from")]  # not an attempt killed before its first save
+    assert len(restores) == len(resumed) >= 2, restores
+    assert all(0 <= e["restore_s"] <= e["restore_total_s"] for e in restores), restores
     reference_g = json.loads((tmp_path / "ref.json").read_text())["goodput"]
     assert reference_g["restarts"] == 0 and reference_g["lost_steps"] == 0
 

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import AbstractMesh, AxisType
 
 from xlaopt import loss_scale
+from xlaopt.compiler import trace_cache
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
 from xlaopt.models.fp8 import matmuls_in
@@ -253,6 +254,11 @@ def traced_activation_axes(program: TrainProgram) -> tuple[tuple[tuple[int, ...]
 
 @functools.lru_cache(maxsize=64)
 def _traced_activation_axes(program: TrainProgram):
+    # On disk too: a restarted process reads it instead of tracing (xlaopt.compiler.trace_cache).
+    return trace_cache.cached("activations", program, lambda: _trace_activation_axes(program))
+
+
+def _trace_activation_axes(program: TrainProgram):
     seen: dict = {}
 
     def record(x, axes):

@@ -98,15 +98,15 @@ class LocalTier:
                     raise CheckpointError(f"{path}: holds step {header['step']} of process {header['process']}, "
                                           f"not what its name says")
             except (CheckpointError, OSError) as e:
-                print(f"xlaopt train: warning: local tier: {e}; not using it", file=sys.stderr, flush=True)
+                _warn(f"xlaopt train: warning: local tier: {e}; not using it")
                 continue
             if header["process_count"] != self.n:  # an elastic restart: the persistent tier serves it
                 other_jobs.add(header["process_count"])
                 continue
             held.setdefault(owner, []).append(step)
         if other_jobs:
-            print(f"xlaopt train: the local tier in {self.dir} holds steps of a job of {sorted(other_jobs)} processes, "
-                  f"this one has {self.n}: not using them", file=sys.stderr, flush=True)
+            _warn(f"xlaopt train: the local tier in {self.dir} holds steps of a job of {sorted(other_jobs)} processes, "
+                  f"this one has {self.n}: not using them")
         return held
 
     def agree(self, persistent: int | None) -> int | None:
@@ -139,6 +139,13 @@ class LocalTier:
                 blob, where = got, f"process {(self.me + shift) % self.n}'s copy of process {self.me}'s step {step}"
         header, payload = local_format.unpack(blob, where)
         return header, payload, where
+
+
+def _warn(line: str) -> None:
+    """One line to stderr in one write: the job's processes share the stream, and print's separate
+    write of the newline let two processes' warnings run into one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def newest_complete(everyone: list[dict[int, list[int]]], n: int, peers: int) -> int | None:
