@@ -122,6 +122,10 @@ def test_a_killed_job_restores_from_a_peer_then_falls_back_past_a_damaged_tier(t
     ref, job, tier, ref_tier = tmp_path / "ref", tmp_path / "job", tmp_path / "local", tmp_path / "ref-local"
     common = [*TINY, "--steps", STEPS, "--ckpt-every", EVERY, "--peer-timeout", 5, "--local-every", LOCAL_EVERY]
     job_args = [*common, "--ckpt", job, "--local-ckpt", tier]
+    # An earlier run's file, newer than any step of this one: a fresh run (no --resume) clears it.
+    stale = local.process_dir(ref_tier, 0) / local.file_name(STEPS + 100, 0)
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier run's step")
     reference = _xlaopt("train", *common, "--ckpt", ref, "--local-ckpt", ref_tier, "--processes", 2)
 
     # Killed past step 33, so past the local saves of 25 and 30 (a persistent one is due at 20);
@@ -160,3 +164,4 @@ def test_a_killed_job_restores_from_a_peer_then_falls_back_past_a_damaged_tier(t
     assert main(["ckpt", "diff", str(ref), str(job), "--step", str(STEPS)]) == 0
     # The local tiers, read whole from each one's processes' copies, match the uninterrupted run's.
     assert main(["ckpt", "diff", str(tier), str(ref_tier), "--step", str(STEPS - LOCAL_EVERY)]) == 0
+    assert not stale.exists()

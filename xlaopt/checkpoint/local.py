@@ -43,13 +43,17 @@ def file_name(step: int, owner: int) -> str:
 class LocalTier:
     """This process's part of a job's local tier under `root`; every process makes one, together."""
 
-    def __init__(self, root, peers: int, keep: int = 2):
+    def __init__(self, root, peers: int, keep: int = 2, fresh: bool = False):
+        """`fresh`: a run that does not resume, whose steps an earlier run's files must not outrank."""
         self.me, self.n, self.peers, self.keep = jax.process_index(), jax.process_count(), peers, keep
         check_peers(peers, self.n)
         self.dir = process_dir(root, self.me)
         self.dir.mkdir(parents=True, exist_ok=True)
         for debris in self.dir.glob(".step_*.tmp"):
             debris.unlink(missing_ok=True)
+        if fresh:
+            for step, owner in self._files():
+                (self.dir / file_name(step, owner)).unlink(missing_ok=True)
         self._agreements = 0
         self.sources: list[int] = []  # of the last fetch: per process, how many places on its copy was held
 

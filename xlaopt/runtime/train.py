@@ -137,7 +137,7 @@ class _Run:
         self._closed = False
         if ckpt is not None:
             self.manager = CheckpointManager(ckpt.directory, Retention(ckpt.keep_last, ckpt.keep_every))
-            self.local = LocalTier(ckpt.local, ckpt.local_peers) if ckpt.local else None
+            self.local = LocalTier(ckpt.local, ckpt.local_peers, fresh=not ckpt.resume) if ckpt.local else None
             self.resumed = self.manager.latest() if ckpt.resume else None
             if ckpt.resume and self.local is not None:
                 self._fetch_local()
