@@ -20,10 +20,10 @@ import logging
 import os
 import pathlib
 import sys
-import uuid
 import warnings
 
 from xlaopt.errors import UserError
+from xlaopt.io.outputs import make_writable_directory
 
 OFF = "off"
 # Compiles shorter than this are not written: jit's small helper programs would fill the directory
@@ -48,11 +48,8 @@ def check(setting: str | None) -> pathlib.Path | None:
     if setting == OFF:
         return None
     directory = pathlib.Path(setting).expanduser() if setting else default_directory()
-    probe = directory / f".probe-{uuid.uuid4().hex}"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        make_writable_directory(directory)
     except OSError as e:
         raise UserError(f"--compile-cache {directory}: cannot write there ({e.strerror or e}); give a writable "
                         f"directory, or --compile-cache off") from None

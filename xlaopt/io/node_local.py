@@ -2,10 +2,10 @@
 it starts its processes): a node-local directory, and a peer count the job can meet."""
 from __future__ import annotations
 
-import os
 import pathlib
 
 from xlaopt.errors import UserError
+from xlaopt.io.outputs import make_writable_directory
 
 NETWORK_FILESYSTEMS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "beegfs",
                        "9p", "fuse.sshfs", "fuse.gcsfuse", "fuse.s3fs", "fuse.juicefs", "afs"}
@@ -35,11 +35,8 @@ def check_local(root, persistent) -> pathlib.Path:
     if fs in NETWORK_FILESYSTEMS:
         raise UserError(f"--local-ckpt {root}: on a {fs} filesystem, shared over the network, not node-local; "
                               f"give a path on the node's own disk or /dev/shm")
-    probe = path / f".probe-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
+        make_writable_directory(path)
     except OSError as e:
         raise UserError(f"--local-ckpt {root}: cannot write there ({e.strerror or e}); give a writable "
                               f"node-local directory") from None

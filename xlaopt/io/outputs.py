@@ -83,3 +83,12 @@ def check_writable(path: str | os.PathLike, flag: str, kind: str = FILE) -> None
         raise refuse(f"cannot write in {directory} ({e.strerror or e})") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def make_writable_directory(path: pathlib.Path) -> None:
+    """Make `path` (with its parents) and write and remove a hidden probe in it; an OSError when it
+    cannot be written, for the caller to name its flag and the fix."""
+    path.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".xlaopt-write-check-", dir=path)
+    os.close(fd)
+    os.unlink(probe)
