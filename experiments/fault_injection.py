@@ -2,14 +2,16 @@
 restarted each time, against one uninterrupted run of the same job.
 
     python experiments/fault_injection.py [--steps 3000] [--kills 12] [--seed 0] [--every 100]
-        [--local-every 10] [--replan 0] [--json OUT]
+        [--local-every 10] [--replan 0] [--relaunch] [--json OUT]
 
 The job: a tiny decoder (llama-tiny cut down) on 2 processes x 2 simulated CPU devices (mesh
 data=4), float32, an asynchronous persistent checkpoint every `--every` steps and, unless
 `--local-every 0`, a local tier (`--local-ckpt` on /dev/shm, each process's shards copied to the
 other) every `--local-every` steps. The harness watches process 0's goodput ledger, kills a
-random process after a random number of steps, and relaunches with `--resume`: on the original
-layout, or (a `--replan` share of restarts) on 1 process of 2 devices with `xlaopt plan
+random process after a random number of steps. The launcher restarts the job itself
+(`train --restarts`: its processes forked afresh from its zygote, with `--resume`); with
+`--relaunch`, or a `--replan` share of restarts, this harness starts a new launcher with
+`--resume` instead: on the original layout, or on 1 process of 2 devices with `xlaopt plan
 --topology cpu:1x2`'s layout, which the local tier cannot serve. Prints each attempt, the job's
 goodput and badput from the final attempt's train JSON, and the comparison with the uninterrupted
 run: `ckpt diff` of the final states (bit-identical when no restart changed the layout; another
@@ -79,13 +81,13 @@ def _resume_points(ledger: pathlib.Path) -> list[int]:
 
 
 def _children(launcher: subprocess.Popen) -> list[int]:
-    """The launcher's train processes (`--process-id I`), by process id."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(launcher.pid)], capture_output=True, text=True).stdout
-    procs = {}
-    for line in out.splitlines():
-        pid, _, cmd = line.strip().partition(" ")
-        if "--process-id" in cmd:
-            procs[int(cmd.split("--process-id")[1].split()[0])] = int(pid)
+    """The launcher's train processes by process id: its zygote's children, which it names
+    `xlaopt-train-I` (xlaopt.runtime.zygote)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
+    zygotes = {int(pid) for pid, ppid, _ in rows if int(ppid) == launcher.pid}
+    procs = {int(comm.rsplit("-", 1)[1]): int(pid) for pid, ppid, comm in rows
+             if int(ppid) in zygotes and comm.startswith("xlaopt-train-")}
     return [procs[i] for i in sorted(procs)]
 
 
@@ -139,44 +141,56 @@ def planned_local_every(events: list[dict], measured: dict, kills: int, devices:
 
 
 def _faulted_job(args, common: list, tier: list, work: pathlib.Path) -> tuple[list[dict], int, float]:
-    """Run the job, killing it `args.kills` times; (attempts, kills, seconds)."""
+    """Run the job, killing it `args.kills` times; (attempts, kills, seconds). On one layout the
+    launcher restarts the job itself (`--restarts`, its processes forked afresh from its zygote);
+    with `--replan` (or `--relaunch`) this harness starts a new launcher for each attempt."""
     rng = random.Random(args.seed)
     replanned = work / "two_devices.json"
     if args.replan:
         plan = _xlaopt("plan", *MODEL[:10], "--topology", "cpu:1x2", "--global-batch", 4, "--seq", 32, "--top", 0,
                        "--out", replanned)
         assert plan.wait() == 0, plan.stderr.read()[-3000:]
+    in_place = not (args.replan or args.relaunch)
     job = work / "job"
     steps_done = _Progress(job / "goodput.jsonl")
     attempts, kills, t_job = [], 0, time.time()
     while True:
         fewer = kills > 0 and rng.random() < args.replan
         layout = ["--layout", replanned] if fewer else MESH
-        before = steps_done()
         # One process alone has no peer: its local tier keeps its own copy only.
         local = [*tier, "--local-peers", 0] if tier and fewer else tier
-        launcher = _xlaopt("train", *common, *layout, *local, "--processes", 1 if fewer else 2, "--ckpt", job,
-                           "--resume", "--json", work / "job.json")
+        restarts = ["--restarts", args.kills] if in_place else []
+        launcher = _xlaopt("train", *common, *layout, *local, "--processes", 1 if fewer else 2, *restarts,
+                           "--ckpt", job, "--resume", "--json", work / "job.json")
         record = {"processes": 1 if fewer else 2, "layout": "replanned cpu:1x2" if fewer else "data=4"}
-        if kills < args.kills:
-            target = before + rng.randint(20, 400)
+        while kills < args.kills:
+            target = steps_done() + rng.randint(20, 400)
             while steps_done() < target and launcher.poll() is None:
                 time.sleep(0.02)
-            if launcher.poll() is None:
-                victims = _children(launcher) if not fewer else []
-                victim = rng.randrange(len(victims)) if victims else None
-                pid = victims[victim] if victims else launcher.pid
-                os.kill(pid, signal.SIGKILL)
-                kills += 1
-                record.update(killed="process %s" % (victim if victim is not None else 0), at_step=steps_done())
+            if launcher.poll() is not None:
+                break
+            victims = _children(launcher) if not fewer else []
+            victim = rng.randrange(len(victims)) if victims else None
+            os.kill(victims[victim] if victims else launcher.pid, signal.SIGKILL)
+            kills += 1
+            attempts.append(dict(record, killed="process %s" % (victim if victim is not None else 0),
+                                 at_step=steps_done()))
+            if not in_place:
+                break
         code = launcher.wait()
-        record.update(exit=code, resumed_from=_resume_points(job / "goodput.jsonl")[-1])
-        attempts.append(record)
-        print(f"attempt {len(attempts):2d}: {record['processes']} process(es), {record['layout']:18s} resumed from "
-              f"step {record['resumed_from']:5d}" + (f", killed {record['killed']} after step {record['at_step']}"
-                                              if "killed" in record else "") + f", exit {code}", flush=True)
+        if code and not in_place and attempts and "exit" not in attempts[-1]:
+            attempts[-1]["exit"] = code  # the attempt this harness killed
         if code == 0:
-            return attempts, kills, time.time() - t_job
+            attempts.append(dict(record, exit=0))
+            break
+    for record, resumed in zip(attempts, _resume_points(job / "goodput.jsonl")):
+        record["resumed_from"] = resumed
+    for n, record in enumerate(attempts, 1):
+        print(f"attempt {n:2d}: {record['processes']} process(es), {record['layout']:18s} resumed from step "
+              f"{record['resumed_from']:5d}" + (f", killed {record['killed']} after step {record['at_step']}"
+                                              if "killed" in record else "")
+              + (f", exit {record['exit']}" if "exit" in record else ", restarted by its launcher"), flush=True)
+    return attempts, kills, time.time() - t_job
 
 
 def _against_reference(args, work: pathlib.Path, attempts: list[dict]) -> dict:
@@ -211,6 +225,9 @@ def main() -> int:
                     help="the share of restarts onto 1 process with a replanned layout (default 0: one layout)")
     ap.add_argument("--kills", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--relaunch", action="store_true",
+                    help="start a new launcher for each attempt (a fresh Python and its imports) instead of "
+                         "`train --restarts`, which restarts the job's processes from its zygote")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the uninterrupted run (for sweeps of the interval: goodput only)")
     ap.add_argument("--json", default=None)

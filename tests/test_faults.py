@@ -6,6 +6,7 @@ each time; its final state must be bit-identical to an uninterrupted run's (`ckp
 for the remaining devices: it must consume exactly the uninterrupted run's samples.
 """
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -77,6 +78,15 @@ def _survivor_stops(survivor, t_fault: float) -> str:
     return errors[0]
 
 
+def _forked_children(launcher) -> dict[int, int]:
+    """A launched job's processes by id: its zygote's children, named `xlaopt-train-I`."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    rows = [line.split() for line in out.splitlines()]
+    zygotes = {int(pid) for pid, ppid, _ in rows if int(ppid) == launcher.pid}
+    return {int(comm.rsplit("-", 1)[1]): int(pid) for pid, ppid, comm in rows
+            if int(ppid) in zygotes and comm.startswith("xlaopt-train-")}
+
+
 def _kill(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -120,25 +130,33 @@ def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     assert term["stopped_by"] == "SIGTERM" and 35 < stop < STEPS
     assert term["checkpoint"]["committed"][-1] == stop and term["checkpoint"]["saves"][-1]["step"] == stop
 
-    # The last attempt restores that checkpoint and finishes, launched as one job.
-    final = _xlaopt("train", *common, "--ckpt", job, "--resume", "--processes", 2, "--json", tmp_path / "job.json")
-    finish([reference, final], TIMEOUT_S)
+    # The last attempt restores that checkpoint, launched as one job that restarts itself: its
+    # process 1 (forked from the launcher's zygote, named so) is killed and forked afresh.
+    final = _xlaopt("train", *common, "--ckpt", job, "--resume", "--processes", 2, "--restarts", 1,
+                    "--json", tmp_path / "job.json")
+    _wait_for_step(job, stop + 12, [final])
+    killed = _forked_children(final)
+    os.kill(killed[1], signal.SIGKILL)
+    _, err = final.communicate(timeout=TIMEOUT_S)
+    assert final.returncode == 0 and "restart 1 of 1" in err, err[-3000:]
+    finish([reference], TIMEOUT_S)
     result = json.loads((tmp_path / "job.json").read_text())
-    assert result["checkpoint"]["resumed_from"] == stop
+    assert result["checkpoint"]["resumed_from"] >= stop
     assert main(["ckpt", "diff", str(ref), str(job), "--step", str(STEPS)]) == 0
 
     g = result["goodput"]
-    assert g["restarts"] == 3
+    assert g["restarts"] == 4
     # Progress lost: the steps after step 10 done before the kill (at >= 14), those after 20 done
-    # before the stop (>= 25); the SIGTERM checkpoint lost nothing.
-    assert g["lost_steps"] >= (14 + 1 - 10) + (25 + 1 - 20)
+    # before the stop (>= 25), those after the SIGTERM's checkpoint + 10 before the last kill; the
+    # SIGTERM checkpoint lost nothing.
+    assert g["lost_steps"] >= (14 + 1 - 10) + (25 + 1 - 20) + 1
     assert result["steps"][-1]["step"] == STEPS - 1
     assert 0 < g["goodput"] < 1 and g["badput"]["lost_progress_s"] > 0 and g["badput"]["restart_gaps_s"] > 0
     parts = g["productive_s"] + sum(g["badput"].values())
     assert parts == pytest.approx(g["wall_s"], rel=1e-6)
     # Each restart's time to its first step, kept in the ledger: gap, start-up and restore.
     times = g["restart_times"]
-    assert len(times) == 3 and sum(r["gap_s"] for r in times) == pytest.approx(g["badput"]["restart_gaps_s"])
+    assert len(times) == 4 and sum(r["gap_s"] for r in times) == pytest.approx(g["badput"]["restart_gaps_s"])
     # (An attempt killed before its first save committed restarts from nothing: no restore.)
     assert all(r["setup_s"] > 0 and r["restore_s"] >= 0 and
                r["to_first_step_s"] == pytest.approx(r["gap_s"] + r["setup_s"] + r["restore_s"]) for r in times), times

@@ -105,9 +105,9 @@ def _choose_platform() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from xlaopt.runtime.goodput import process_start_time
+    from xlaopt.runtime.goodput import process_start_time, started_by_launcher
 
-    started = min(process_start_time(), time.time())
+    started = started_by_launcher(min(process_start_time(), time.time()))
     argv = sys.argv[1:] if argv is None else argv
     # What a command may need beyond its flags, given before parsing: nothing writes into args after.
     args = build_parser().parse_args(argv, argparse.Namespace(argv=tuple(argv), started=started))

@@ -29,6 +29,7 @@ class TrainRequest:
     num_processes: int | None
     process_id: int | None
     processes: int | None
+    restarts: int
     peer_timeout: float | None
     on_nonfinite: str
     learning_rate: float | None
@@ -82,6 +83,10 @@ def register(sub) -> None:
     p.add_argument("--processes", type=int, default=None, metavar="N",
                    help="run as a local job of N processes (a free loopback port for the coordinator, mesh "
                         "devices / N each), supervised and reported as one")
+    p.add_argument("--restarts", type=int, default=0, metavar="K",
+                   help="with --processes and --ckpt: after a failure (a process killed or lost, a crash), start "
+                        "every process again with --resume, up to K times; the processes are forked from one that "
+                        "imported JAX once, so a restart starts in a fraction of a cold start")
     p.add_argument("--peer-timeout", type=float, default=None, metavar="S",
                    help="in a multi-process job, stop with an error naming the culprit once no step has finished "
                         "for S seconds (a dead, stopped or stuck process; default 60)")
@@ -153,6 +158,7 @@ def run(request: TrainRequest) -> int:
 
     failures = failure_model(request.mtbf)
     local_tier = _local_tier(request, request.processes or request.num_processes or 1, auto=every == "auto")
+    _check_restarts(request)
     if request.processes is not None:
         return _launch(request)
     _refuse_fp8(request.program)
@@ -201,6 +207,18 @@ def _launch(request: TrainRequest) -> int:
         devices = programs.layout_of(request.program).mesh.num_devices
     launch.check_processes(request.processes, request.coordinator, devices)
     argv = launch.strip_option(list(request.argv[1:]), "--processes")
-    if request.processes == 1:
+    argv = launch.strip_option(argv, "--restarts")
+    if request.processes == 1 and not request.restarts:
         return main(["train", *argv])
-    return launch.launch(argv, request.processes, peer_timeout_s(request.peer_timeout))
+    return launch.launch(argv, request.processes, peer_timeout_s(request.peer_timeout), request.restarts)
+
+
+def _check_restarts(request: TrainRequest) -> None:
+    if request.restarts < 0:
+        raise UserError(f"--restarts {request.restarts}: give how many times a failed job may start again (0: never)")
+    if request.restarts and request.processes is None:
+        raise UserError("--restarts needs --processes N: the launcher restarts the processes it started (a job "
+                        "joined with --coordinator is restarted by whatever started it)")
+    if request.restarts and request.ckpt is None:
+        raise UserError("--restarts needs --ckpt DIR: a restart resumes from the newest checkpoint, and without one "
+                        "would train from the start again")

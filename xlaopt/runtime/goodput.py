@@ -25,6 +25,9 @@ import time
 from xlaopt.errors import UserError
 
 LEDGER = "goodput.jsonl"
+# A process's start for its start-up badput, when not its own: a launched job's first processes
+# (forked from a zygote that imported JAX for them) count from the launcher's start.
+STARTED_ENV = "XLAOPT_STARTED"
 
 
 class Ledger:
@@ -81,6 +84,16 @@ def process_start_time() -> float:
         return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
+
+
+def started_by_launcher(default: float) -> float:
+    """This process's start for its start-up badput: the launcher's, when it gave one."""
+    try:
+        return min(float(os.environ.pop(STARTED_ENV)), default)
+    except (KeyError, ValueError):
+        return default
+
+
 
 
 def _parse(line: str) -> dict | None:

@@ -2,7 +2,10 @@
 
 Each of the N processes is `xlaopt train` itself with `--coordinator 127.0.0.1:PORT
 --num-processes N --process-id I` added (a free loopback port, so the coordination service
-listens on loopback only), bringing its share of the mesh's devices. Process 0 reports. When a
+listens on loopback only), bringing its share of the mesh's devices. Process 0 reports. The
+processes are forked from one zygote that has imported JAX and the training code once
+(xlaopt.runtime.zygote). With `--restarts K` a failed job is started again, every process
+with `--resume`, up to K times: a restart then costs no Python start-up and no import. When a
 process fails the others stop on their own within `--peer-timeout` (xlaopt.runtime.faults);
 whichever has not after that, and a grace period, is killed, so the job never hangs. A process
 killed by a signal takes the others with it at once: this launcher names it. SIGTERM
@@ -12,14 +15,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
-from xlaopt.errors import EXIT_PEER_LOST
+from xlaopt.errors import EXIT_PEER_LOST, EXIT_RUN_FAILED, EXIT_USER_ERROR
 from xlaopt.runtime.distributed import DistributedError, free_port
+from xlaopt.runtime.goodput import STARTED_ENV, process_start_time
+from xlaopt.runtime.zygote import Zygote
 
 GRACE_S = 5.0  # beyond --peer-timeout: a process failing on its own has printed why and exited by then
+# Failures a restart would only repeat: bad input, and a run that stopped itself (a non-finite loss).
+NOT_RESTARTED = (EXIT_USER_ERROR, EXIT_RUN_FAILED)
 
 
 def strip_option(argv: list[str], flag: str) -> list[str]:
@@ -35,19 +41,40 @@ def strip_option(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def launch(argv: list[str], processes: int, peer_timeout_s: float) -> int:
-    """Run `xlaopt train argv` as `processes` local processes; the job's exit status."""
-    port = free_port()
+def launch(argv: list[str], processes: int, peer_timeout_s: float, restarts: int = 0) -> int:
+    """Run `xlaopt train argv` as `processes` local processes, forked from one zygote
+    (xlaopt.runtime.zygote); up to `restarts` times after a failure, all of them again with
+    `--resume`. The job's exit status."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # each process asks for its own share of the devices
-    children = [subprocess.Popen([sys.executable, "-m", "xlaopt.cli", "train", *argv,
-                                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
-                                  "--process-id", str(i)] + (["--no-progress"] if i else []), env=env)
-                for i in range(processes)]
-    forward = lambda signum, frame: [c.send_signal(signal.SIGTERM) for c in children if c.poll() is None]
+    started = process_start_time()
+    zygote = Zygote(env)
+    children: list = []
+    stopping: list[int] = []  # a stop asked for is not a failure to restart from
+
+    def forward(signum, frame):
+        stopping.append(signum)
+        for c in children:
+            c.send_signal(signal.SIGTERM)
+
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _supervise(children, peer_timeout_s + GRACE_S)
+        for attempt in range(restarts + 1):
+            port = free_port()
+            # The first processes count their start-up from the launcher's start, a restart's from its fork.
+            first = {STARTED_ENV: repr(started) if attempt == 0 else None}
+            children[:] = [zygote.spawn(["train", *argv, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                                         str(processes), "--process-id", str(i)] + (["--no-progress"] if i else []),
+                                        first, f"xlaopt-train-{i}")
+                           for i in range(processes)]
+            code = _supervise(children, peer_timeout_s + GRACE_S, lambda: zygote.poll(timeout=0.1))
+            if code == 0 or code in NOT_RESTARTED or stopping or attempt == restarts:
+                return code
+            print(f"xlaopt train: restart {attempt + 1} of {restarts}: every process again, from the newest "
+                  f"checkpoint", file=sys.stderr, flush=True)
+            if "--resume" not in argv:
+                argv = [*argv, "--resume"]
+        raise AssertionError("unreachable")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -55,9 +82,10 @@ def launch(argv: list[str], processes: int, peer_timeout_s: float) -> int:
             if c.poll() is None:
                 c.kill()
                 c.wait()
+        zygote.close()
 
 
-def _supervise(children: list[subprocess.Popen], deadline_s: float) -> int:
+def _supervise(children: list, deadline_s: float, wait=lambda: time.sleep(0.1)) -> int:
     first, failed_at = None, None
     while [c.poll() for c in children].count(None):  # poll every child: `any` would stop at the first
         if first is None:
@@ -77,7 +105,7 @@ def _supervise(children: list[subprocess.Popen], deadline_s: float) -> int:
                   file=sys.stderr, flush=True)
             for i in stuck:
                 children[i].kill()
-        time.sleep(0.1)
+        wait()  # the zygote's wakes as soon as a child exits
     codes = [c.returncode for c in children]
     if all(code == 0 for code in codes):
         return 0

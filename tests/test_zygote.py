@@ -1,0 +1,36 @@
+"""The zygote a launched job's processes are forked from (xlaopt.runtime.zygote): a child runs
+the `xlaopt` command line it was asked to, with its environment changes and its name, and its
+exit status (a signal's as negative) comes back to the launcher."""
+import signal
+import time
+
+from xlaopt.errors import EXIT_USER_ERROR
+from xlaopt.runtime.zygote import Zygote
+
+from conftest import command_env, free_port
+
+
+def test_children_forked_from_the_zygote_run_their_command_and_report_their_exit(tmp_path):
+    zygote = Zygote(command_env())
+    try:
+        # A bad input: the child's own `xlaopt` main runs, and exits 2 (its error on stderr).
+        bad = zygote.spawn(["ckpt", "verify", str(tmp_path / "absent")], {}, "xlaopt-bad")
+        assert bad.wait() == EXIT_USER_ERROR
+        # A process of a job whose coordinator never comes waits to join: named, and killed.
+        waiting = zygote.spawn(["train", "--model", "llama-tiny", "--mesh", "data=2", "--coordinator",
+                                f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1"],
+                               {}, "xlaopt-train-1")
+        deadline = time.monotonic() + 60
+        while _name(waiting.pid) != "xlaopt-train-1" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _name(waiting.pid) == "xlaopt-train-1" and waiting.poll() is None
+        waiting.kill()
+        assert waiting.wait() == -signal.SIGKILL
+    finally:
+        zygote.close()
+    assert zygote.process.returncode == 0
+
+
+def _name(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
