@@ -92,11 +92,12 @@ def _children(launcher: subprocess.Popen) -> list[int]:
 
 
 def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills: int, local_every: int = 0,
-            replan: float = 0.0, seeds: int = 200) -> dict:
+            replan: float = 0.0, late: int = 0, seeds: int = 200) -> dict:
     """The simulator's goodput for this run (`xlaopt.goodput.simulate`): the costs this job's own
     ledger measured (means over its attempts of a step, a save, a restore, a restart's start-up
     and gap; a step's host work outside its timed part from the ledger's `other`), and this
-    harness's kill rule, the kills drawn afresh for each of `seeds` runs."""
+    harness's kill rule (landing `late` steps past each target, as its kills did), the kills drawn
+    afresh for each of `seeds` runs."""
     import dataclasses
     import math
     import statistics
@@ -116,8 +117,9 @@ def predict(ledger: pathlib.Path, measured: dict, steps: int, every: int, kills:
     # unless restarts move to another layout, which the local tier cannot serve.
     intervals = Intervals(every, local_every if local else None)
     sim = simulate_many(costs, intervals, math.inf, math.inf, seeds, local_loss=replan if local else 1.0,
-                        harness=Harness(steps, kills))
+                        harness=Harness(steps, kills, late=late))
     return {"predicted_goodput": sim["goodput"], "p5": sim["goodput_p5"], "p95": sim["goodput_p95"], "seeds": seeds,
+            "kills_late_steps": late,
             "costs": {k: v for k, v in dataclasses.asdict(costs).items() if k != "sources"},
             "badput": sim["badput"]}
 
@@ -174,7 +176,7 @@ def _faulted_job(args, common: list, tier: list, work: pathlib.Path) -> tuple[li
             os.kill(victims[victim] if victims else launcher.pid, signal.SIGKILL)
             kills += 1
             attempts.append(dict(record, killed="process %s" % (victim if victim is not None else 0),
-                                 at_step=steps_done()))
+                                 target=target, at_step=steps_done()))
             if not in_place:
                 break
         code = launcher.wait()
@@ -251,8 +253,10 @@ def main() -> int:
 
     g = json.loads((work / "job.json").read_text())["goodput"]
     events = goodput.read(str(work / "job"))
+    # How many steps past its target a kill landed, on average: the harness's own reaction time.
+    late = [a["at_step"] - a["target"] for a in attempts if "target" in a]
     prediction = predict(work / "job" / "goodput.jsonl", g, args.steps, args.every, kills, args.local_every,
-                         args.replan)
+                         args.replan, round(statistics.fmean(late)) if late else 0)
     planned = planned_local_every(events, g, kills) if args.local_every else None
     restores = [e for e in events if "restore_s" in e or "local_restore_s" in e]
     print(f"\n{kills} SIGKILLs, {g['restarts']} restarts ({sum(a['processes'] == 1 for a in attempts)} on 1 process "

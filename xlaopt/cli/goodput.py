@@ -22,6 +22,7 @@ class GoodputPlanRequest:
     step_overhead_s: float | None
     local_save_s: float | None
     local_restore_s: float | None
+    cold_start_s: float | None
     mtbf: str
     gpus: int | None
     topology: str | None
@@ -49,7 +50,9 @@ def register(sub) -> None:
                                            "for (default 0)"),
                              ("--step-overhead-s", "a step's host work outside its timed part (default 0)"),
                              ("--local-save-s", "a local save's blocking time (a second, local tier)"),
-                             ("--local-restore-s", "a restore from the local tier")):
+                             ("--local-restore-s", "a restore from the local tier"),
+                             ("--cold-start-s", "the job's first start to its first step, when not a restart's "
+                                                "(default: --startup-s)")):
         q.add_argument(flag, type=float, default=None, metavar="SECONDS", help=what_it_is)
     q.add_argument("--mtbf", default="llama3", metavar="HOURS|llama3",
                    help="mean time between failures per GPU, in hours, or a published run's rate: llama3 (default; "

@@ -10,9 +10,9 @@ from xlaopt.errors import UserError
 FIELDS = {  # field -> the flag that gives it
     "step_s": "--step-s", "save_s": "--save-s", "restore_s": "--restore-s", "startup_s": "--startup-s",
     "gap_s": "--gap-s", "write_s": "--write-s", "step_overhead_s": "--step-overhead-s",
-    "local_save_s": "--local-save-s", "local_restore_s": "--local-restore-s"}
+    "local_save_s": "--local-save-s", "local_restore_s": "--local-restore-s", "cold_start_s": "--cold-start-s"}
 # Costs that default to nothing when neither a flag nor the ledger gives them.
-OPTIONAL = ("write_s", "step_overhead_s", "local_save_s", "local_restore_s")
+OPTIONAL = ("write_s", "step_overhead_s", "local_save_s", "local_restore_s", "cold_start_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,9 @@ class JobCosts:
     step_overhead_s: float = 0.0  # a step's host work outside its timed part (the ledger's `other`)
     local_save_s: float | None = None  # the local tier's save and restore, when the job keeps one
     local_restore_s: float | None = None
+    # The job's first start, when it differs from a restart's: a cold compile, or a launcher's
+    # imports that its restarts (forked from them) skip. None: as `startup_s`.
+    cold_start_s: float | None = None
     sources: tuple[tuple[str, str], ...] = ()  # (field, where its value came from)
 
     def __post_init__(self):
@@ -55,7 +58,8 @@ def measured(events: list[dict]) -> dict[str, float]:
     """What a run's ledger (`xlaopt.runtime.goodput`) measured, as means (a run's totals follow the
     mean, not the median: a job whose attempts run on other layouts has steps of two speeds): a
     step after each attempt's first, a save and a restore; a restart's start-up (the first
-    attempt's, a cold compile, only when no restart was recorded) and the gap between attempts.
+    attempt's, a cold compile, only when no restart was recorded), the first attempt's own, and
+    the gap between attempts.
     Absent causes are left out."""
     from xlaopt.runtime.goodput import attempts, restart_times
 
@@ -76,6 +80,8 @@ def measured(events: list[dict]) -> dict[str, float]:
         out["gap_s"] = statistics.fmean(r["gap_s"] for r in restarts)
     elif cold:
         out["startup_s"] = cold[0]
+    if cold:
+        out["cold_start_s"] = cold[0]
     return out
 
 

@@ -2,11 +2,11 @@
 
 The job alternates steps and saves; failures arrive at random, exponential gaps of the job's MTBF
 drawn from each attempt's start (an attempt can fail while it starts or restores), or as a fault-
-injection harness makes them (`Harness`). After one the job waits the gap, starts (`startup_s`),
-restores the newest checkpoint it still holds (the local tier's unless the failure took it too,
-with probability `local_loss`) and carries on from there: the steps done since that checkpoint
-are done again. A save cut short by a failure commits nothing, and a persistent save counts only
-once its write behind the loop (`write_s`) is done. Time is kept by the causes a run's own
+injection harness makes them (`Harness`). After one the job waits the gap, starts (`startup_s`;
+its first start is `cold_start_s`), restores the newest checkpoint it still holds (the local
+tier's unless the failure took it too, with probability `local_loss`) and carries on from there:
+the steps done since that checkpoint are done again. A save cut short by a failure commits
+nothing, and a persistent save counts only once its write behind the loop (`write_s`) is done. Time is kept by the causes a run's own
 goodput ledger keeps (`xlaopt.runtime.goodput`), so a simulated run and a measured one read
 alike; at the end the steps done count as done.
 """
@@ -29,11 +29,14 @@ CAUSES = ("startup_compile_s", "checkpoint_save_s", "checkpoint_restore_s", "los
 class Harness:
     """Failures as `experiments/fault_injection.py` makes them, instead of at random times: an
     attempt is killed once it has done `low` to `high` steps (uniformly) past the furthest step any
-    attempt reached, `kills` times in all; the run ends when `steps` steps are done."""
+    attempt reached, and `late` steps more (the harness's reaction: it polls the ledger, finds the
+    process, then kills it; measured by the harness), `kills` times in all; the run ends when
+    `steps` steps are done."""
     steps: int
     kills: int
     low: int = 20
     high: int = 400
+    late: int = 0
 
 
 class _Run:
@@ -71,7 +74,8 @@ class _Run:
         unit = self.intervals.local_every or every
         self.step = 0 if from_local is None else (self.local if from_local else self.persistent)
         restore_s = costs.local_restore_s if from_local else costs.restore_s
-        if not self.phase("startup_compile_s", costs.startup_s) or (
+        cold = from_local is None and not self.restarts and costs.cold_start_s is not None
+        if not self.phase("startup_compile_s", costs.cold_start_s if cold else costs.startup_s) or (
                 self.step > 0 and not self.phase("checkpoint_restore_s", restore_s)):
             return self.t < self.horizon_s
         while True:
@@ -119,7 +123,7 @@ def simulate(costs: JobCosts, intervals: Intervals, mtbf_s: float, horizon_s: fl
         if harness is None:
             run.stop = min(run.t + run.rng.expovariate(1 / mtbf_s), horizon_s)
         elif kills < harness.kills:
-            run.kill_step = run.furthest + run.rng.randint(harness.low, harness.high)
+            run.kill_step = run.furthest + run.rng.randint(harness.low, harness.high) + harness.late
         else:
             run.kill_step = math.inf
         failed = run.attempt(from_local, end_step)
