@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 
 from xlaopt.errors import UserError
 from xlaopt.runtime.faults import DEFAULT_PEER_TIMEOUT_S
@@ -51,6 +52,8 @@ def initialize(coordinator: str, num_processes: int, process_id: int,
 
     if process_id == 0:
         check_port_free(coordinator)
+    else:
+        wait_for_coordinator(coordinator, INIT_TIMEOUT_S)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Process 0's coordination service would otherwise listen on [::]:PORT, every interface, and
     # it authenticates nobody: bind it to the address the job was given (loopback for a local job).
@@ -98,6 +101,24 @@ def check_port_free(address: str) -> None:
             raise DistributedError(f"--coordinator {address}: process 0 cannot listen there ({e.strerror}); "
                                    f"pick a free port (another job may hold this one) or an address of this "
                                    f"host") from None
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Until process 0's coordination service accepts connections. JAX's client connects through
+    gRPC, which, refused once, tries again only after its reconnect backoff (a second, growing
+    to two minutes): a process forked a few milliseconds before process 0 listened waited a whole
+    second to join (a third of restarts here, BENCHMARKS.md, issue 31)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(f"--coordinator {address}: process 0 did not listen there within "
+                                       f"{timeout_s:g} s ({e.strerror or e}); start it, or check the address") from None
+            time.sleep(0.005)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
