@@ -81,13 +81,10 @@ def _resume_points(ledger: pathlib.Path) -> list[int]:
 
 
 def _children(launcher: subprocess.Popen) -> list[int]:
-    """The launcher's train processes by process id: its zygote's children, which it names
-    `xlaopt-train-I` (xlaopt.runtime.zygote)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
-    zygotes = {int(pid) for pid, ppid, _ in rows if int(ppid) == launcher.pid}
-    procs = {int(comm.rsplit("-", 1)[1]): int(pid) for pid, ppid, comm in rows
-             if int(ppid) in zygotes and comm.startswith("xlaopt-train-")}
+    """The launcher's train processes, in process-id order."""
+    from xlaopt.runtime.zygote import job_processes
+
+    procs = job_processes(launcher.pid)
     return [procs[i] for i in sorted(procs)]
 
 

@@ -21,6 +21,7 @@ from xlaopt.cli import main
 from xlaopt.data.synthetic_store import make_store
 from xlaopt.models.registry import get_config
 from xlaopt.runtime.faults import EXIT_PEER_LOST
+from xlaopt.runtime.zygote import job_processes
 
 from conftest import command_env, finish, free_port
 
@@ -78,15 +79,6 @@ def _survivor_stops(survivor, t_fault: float) -> str:
     return errors[0]
 
 
-def _forked_children(launcher) -> dict[int, int]:
-    """A launched job's processes by id: its zygote's children, named `xlaopt-train-I`."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
-    rows = [line.split() for line in out.splitlines()]
-    zygotes = {int(pid) for pid, ppid, _ in rows if int(ppid) == launcher.pid}
-    return {int(comm.rsplit("-", 1)[1]): int(pid) for pid, ppid, comm in rows
-            if int(ppid) in zygotes and comm.startswith("xlaopt-train-")}
-
-
 def _kill(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -135,7 +127,7 @@ def test_killed_stopped_and_terminated_job_resumes_bit_identical(tmp_path):
     final = _xlaopt("train", *common, "--ckpt", job, "--resume", "--processes", 2, "--restarts", 1,
                     "--json", tmp_path / "job.json")
     _wait_for_step(job, stop + 12, [final])
-    killed = _forked_children(final)
+    killed = job_processes(final.pid)
     os.kill(killed[1], signal.SIGKILL)
     _, err = final.communicate(timeout=TIMEOUT_S)
     assert final.returncode == 0 and "restart 1 of 1" in err, err[-3000:]

@@ -1,11 +1,12 @@
 """The zygote a launched job's processes are forked from (xlaopt.runtime.zygote): a child runs
 the `xlaopt` command line it was asked to, with its environment changes and its name, and its
 exit status (a signal's as negative) comes back to the launcher."""
+import os
 import signal
 import time
 
 from xlaopt.errors import EXIT_USER_ERROR
-from xlaopt.runtime.zygote import Zygote
+from xlaopt.runtime.zygote import Zygote, job_processes
 
 from conftest import command_env, free_port
 
@@ -24,6 +25,7 @@ def test_children_forked_from_the_zygote_run_their_command_and_report_their_exit
         while _name(waiting.pid) != "xlaopt-train-1" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _name(waiting.pid) == "xlaopt-train-1" and waiting.poll() is None
+        assert job_processes(os.getpid()) == {1: waiting.pid}  # this test is the zygote's launcher
         waiting.kill()
         assert waiting.wait() == -signal.SIGKILL
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import select
 import signal
 import subprocess
@@ -165,6 +166,25 @@ def _become_child(request: dict, fds: tuple[int, ...]) -> None:
         else:
             os.environ[key] = value
     _name_process(request["name"])
+
+
+def job_processes(launcher_pid: int) -> dict[int, int]:
+    """A launched job's running processes by process id (Linux): the children of the launcher's
+    zygote, which names them `xlaopt-train-I`. For tools that signal one, as a fault injector does."""
+    rows = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # a process that just exited
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":  # a child exited but not yet reaped is no process to signal
+            rows.append((int(entry.name), int(fields[1]), name))
+    zygotes = {pid for pid, ppid, _ in rows if ppid == launcher_pid}
+    return {int(name.rsplit("-", 1)[1]): pid for pid, ppid, name in rows
+            if ppid in zygotes and name.startswith("xlaopt-train-")}
 
 
 def _name_process(name: str) -> None:
