@@ -38,6 +38,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xlaopt import cli
+from xlaopt.models.registry import get_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "BAD_INPUTS.md"
@@ -100,7 +101,9 @@ def pristine(tmp_path_factory):
     manager = CheckpointManager(base / "ckpt")
     for step in (1, 2):  # step 2 is the one the rows damage; step 1 must survive it
         manager.save(step, {"w": np.arange(64, dtype=np.float32).reshape(8, 8) * step,
-                            "b": np.full(3, step, np.float32)}, {"model": "llama-tiny", "data": {"cursor": step}})
+                            "b": np.full(3, step, np.float32)},
+                     {"model": "llama-tiny", "config": dataclasses.asdict(get_config("llama-tiny")),
+                      "data": {"cursor": step}})
         manager.wait()
     code, _, err = run(["data", "make", str(base / "store"), "--samples", "24", "--shard-mb", "0.01"])
     assert code == 0, err
@@ -356,6 +359,15 @@ ROWS = [
         lambda w: [*ANALYZE, "--layout", w.file("l.json", '{"mesh": {"data": 2}, "execution": {"micro_batches": 0}}')],
         "micro_batches=0 must be at least 1", UNCHANGED),
     # Corrupted and truncated checkpoints (step 2 of two damaged, read by `xlaopt ckpt`).
+    Row("generate-ckpt-of-another-model", CKPT, "`generate --ckpt DIR --model M` where DIR holds another config",
+        lambda w: ["generate", "--ckpt", w.ckpt(), "--model", "llama-tiny", "--set", "num_layers=1"],
+        "differs from --model llama-tiny: num_layers: saved 4, now 1", CKPT_KEPT, intact_step=True),
+    Row("generate-ckpt-not-the-models-arrays", CKPT, "`generate --ckpt DIR` whose arrays are not its model's",
+        lambda w: ["generate", "--ckpt", w.ckpt()], "llama-tiny parameters (params/embed_ED", CKPT_KEPT,
+        intact_step=True),
+    Row("generate-ckpt-damaged", CKPT, "`generate --ckpt DIR` with the newest step's manifest cut short",
+        lambda w: ["generate", "--ckpt", w.ckpt(lambda r: _truncate(_manifest(r), 50))], "unreadable manifest",
+        CKPT_KEPT, intact_step=True),
     Row("ckpt-manifest-truncated", CKPT, "step manifest cut short",
         lambda w: ["ckpt", "inspect", w.ckpt(lambda r: _truncate(_manifest(r), 50))], "unreadable manifest", CKPT_KEPT,
         intact_step=True),

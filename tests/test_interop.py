@@ -140,6 +140,17 @@ def test_import_train_export_reload(reference_dir, tmp_path):
     np.testing.assert_array_equal(got, trained.reshape(64, 64).T)
     assert not np.array_equal(got, ref["layers.1.self_attn.add_q_proj.weight"])  # the step changed it
 
+    # `generate --ckpt` serves either step, as the model the import named (no --model): the
+    # trained step samples other latents than the imported one, and the same ones again.
+    from xlaopt.runtime.generate import GenerateRequest, generate
+
+    sample = lambda step: generate(GenerateRequest(model=None, ckpt=str(tmp_path / "ckpt"), ckpt_step=step,
+                                                   steps=2, gen_len=16))
+    imported, stepped = sample(0), sample(2)
+    assert imported["model"] == stepped["model"] == config.name and stepped["params_from"]["step"] == 2
+    assert imported["latents_mean"] != stepped["latents_mean"]
+    assert sample(2)["latents_mean"] == stepped["latents_mean"]
+
 
 def _broken_copy(src, dst, drop=(), reshape=None, extra=None):
     dst.mkdir()

@@ -7,8 +7,9 @@ CLUSTER_HELP = ("the cluster the mesh is laid on, e.g. h100:2x4 or a TOML/JSON f
                 "(hierarchical-grads) use them; default: in a multi-process job each process's devices are a node")
 
 
-def model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="registered model name (see `xlaopt models`)")
+def model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="registered model name (see `xlaopt models`)"
+                   + ("" if required else "; with --ckpt, default: the checkpoint's own"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set num_layers=2 (repeatable)")
 

@@ -1,4 +1,4 @@
-"""`xlaopt generate`: sample from a model (its own random init): video or text."""
+"""`xlaopt generate`: sample from a model (its own random init, or a checkpoint): video or text."""
 from __future__ import annotations
 
 import argparse
@@ -8,11 +8,15 @@ from xlaopt.cli.requests import write_json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="sample from a model (its own random init): Cosmos 3 video by rectified flow "
-                                        "with the reasoner's K/V cached (timed against uncached), or text by "
-                                        "KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
-    flags.model_args(p)
+    p = sub.add_parser("generate", help="sample from a model (its own random init, or --ckpt): Cosmos 3 video by "
+                                        "rectified flow with the reasoner's K/V cached (timed against uncached), "
+                                        "or text by KV-cached decoding (decoder LLMs; Cosmos 3 with --decode-text)")
+    flags.model_args(p, required=False)
     flags.compile_cache_args(p)
+    p.add_argument("--ckpt", default=None, metavar="DIR",
+                   help="sample from this checkpoint's parameters (`xlaopt train --ckpt` or `import-weights` "
+                        "output); its model is the one it was saved from")
+    p.add_argument("--ckpt-step", type=int, default=None, metavar="N", help="the checkpoint's step (default: newest)")
     p.add_argument("--mesh", default="", help="mesh axes, e.g. tensor=2 or data=2,tensor=2: parameters as training "
                                               "lays them out, rows over data/fsdp (context parallel: not yet)")
     p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (e.g. from "

@@ -1,5 +1,6 @@
-"""`xlaopt generate`: sample from a registered model with randomly initialised parameters (its
-own init, seeded; no trained checkpoint is embedded), to measure and check the inference paths.
+"""`xlaopt generate`: sample from a model: a registered one with its own init (seeded), to
+measure and check the inference paths, or a checkpoint's (`--ckpt DIR`, from `xlaopt train` or
+`xlaopt import-weights`; its model is the one it was saved from).
 
 Two modes:
   video  Cosmos 3 only: rectified-flow sampling of one video clip per prompt through
@@ -20,6 +21,7 @@ refused in one line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -40,8 +42,10 @@ PROMPT_LEN = 16
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """What to generate; None is "not given": the mode's default, or a layout file's batch."""
-    model: str
+    model: str | None  # with `ckpt`, None: the checkpoint's own model
     overrides: tuple[str, ...] = ()  # KEY=VALUE config fields
+    ckpt: str | None = None  # serve this checkpoint's parameters
+    ckpt_step: int | None = None  # default: its newest
     mesh: str = ""
     layout: str | None = None  # a layout file instead of `mesh`
     dtype: str | None = None  # default: the layout's, else float32
@@ -142,9 +146,9 @@ def generate(request: GenerateRequest) -> dict:
     options the request leaves unset, and must not count as the other mode's)."""
     from xlaopt.build import BatchRequest, choose_layout
 
-    config = get_config(request.model, parse_overrides(request.model, request.overrides))
+    saved, config = _model_config(request)
     mode = choose_mode(config, request)
-    layout = choose_layout(request.mesh, request.layout, request.model)
+    layout = choose_layout(request.mesh, request.layout, request.model or saved.meta["model"])
     given = BatchRequest(request.batch_size, request.text_len, request.gen_len).over(layout.batch)
     dtype = request.dtype or (layout.execution.compute_dtype if layout.execution is not None else "float32")
     request = dataclasses.replace(request, dtype=dtype, **dataclasses.asdict(given))
@@ -156,12 +160,38 @@ def generate(request: GenerateRequest) -> dict:
     model = _model(config, execution)
     prompt_BP = _prompts(request, config, rows)
     common = dict(model=config.name, family=config.family, mode=mode, dtype=dtype, batch_size=rows,
-                  prompt_len=int(prompt_BP.shape[1]), seed=request.seed, mesh=layout.mesh.as_dict())
+                  prompt_len=int(prompt_BP.shape[1]), seed=request.seed, mesh=layout.mesh.as_dict(),
+                  params_from=({"ckpt": saved.directory, "step": saved.step} if saved else
+                               {"init_seed": request.seed}))
     run = generate_video if mode == "video" else generate_text
-    return common | run(request, config, model, prompt_BP, placement)
+    params = functools.partial(_params, saved, model, request.seed, placement)
+    return common | run(request, config, model, prompt_BP, params, placement)
 
 
-def generate_video(request: GenerateRequest, config, model, prompt_BP, placement=None) -> dict:
+def _model_config(request: GenerateRequest):
+    """(the checkpoint to serve or None, the model's config)."""
+    from xlaopt.inference.checkpoint_params import SavedRun
+
+    if request.model is None and request.ckpt is None:
+        raise UserError("give --model NAME (its own init) or --ckpt DIR (a trained or imported checkpoint)")
+    given = None if request.model is None else get_config(request.model, parse_overrides(request.model,
+                                                                                         request.overrides))
+    if request.ckpt is None:
+        return None, given
+    if request.overrides and request.model is None:
+        raise UserError("--set changes a registered model's fields: with --ckpt the model is the checkpoint's own")
+    saved = SavedRun.open(request.ckpt, request.ckpt_step)
+    return saved, saved.config(given)
+
+
+def _params(saved, model, seed: int, placement, batch: dict):
+    """The checkpoint's parameters, or the model's own init from `seed`."""
+    if saved is None:
+        return _init_params(model, batch, seed, placement)
+    return saved.params(model, batch, placement)
+
+
+def generate_video(request: GenerateRequest, config, model, prompt_BP, params_for, placement=None) -> dict:
     from xlaopt.data.synthetic_cosmos import RESOLUTION_SHIFT
     from xlaopt.inference import sample_cosmos as sc
     from xlaopt.inference.flow_schedule import FlowSchedule
@@ -174,7 +204,7 @@ def generate_video(request: GenerateRequest, config, model, prompt_BP, placement
     text_len = prompt_BP.shape[1] if request.text_len is None else request.text_len
     video = sc.video_request(config, list(prompt_BP), text_len, sc.clip_grid(o["gen_len"], o["frames"]),
                              o["guidance"])
-    params = _init_params(model, video.batch, request.seed, placement)
+    params = params_for(video.batch)
     x_T_BVC = video.noise(config, jax.random.key(request.seed + 1))
     sampler = sc.CosmosSampler(model, placement)
     cached = sampler.sample(params, video, x_T_BVC, schedule, order, cached=True)
@@ -194,7 +224,7 @@ def generate_video(request: GenerateRequest, config, model, prompt_BP, placement
         cached=pick(cached.stats), uncached=pick(uncached.stats))
 
 
-def generate_text(request: GenerateRequest, config, model, prompt_BP, placement=None) -> dict:
+def generate_text(request: GenerateRequest, config, model, prompt_BP, params_for, placement=None) -> dict:
     from xlaopt.data.batch import BatchShape
     from xlaopt.families import family_of
     from xlaopt.inference.decode import Decoding
@@ -203,7 +233,7 @@ def generate_text(request: GenerateRequest, config, model, prompt_BP, placement=
     rows, P = prompt_BP.shape
     family = family_of(config)
     spec = family.batch_spec(config, BatchShape(rows, P, 1 if family.generates_video else 0))
-    params = _init_params(model, {k: np.zeros(s, d) for k, (s, d, _) in spec.items()}, request.seed, placement)
+    params = params_for({k: np.zeros(s, d) for k, (s, d, _) in spec.items()})
     key = None if o["temperature"] is None else jax.random.key(request.seed)
     out = Decoding(model, placement).generate(params, prompt_BP, o["new_tokens"], temperature=o["temperature"],
                                               key=key, cache_len=request.text_len)
@@ -220,6 +250,8 @@ def generate_text(request: GenerateRequest, config, model, prompt_BP, placement=
 def format_generation(r: dict) -> str:
     split = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1)
     where = f" on {split}" if split else ""
+    if "ckpt" in r["params_from"]:
+        where += f", step {r['params_from']['step']} of {r['params_from']['ckpt']}"
     if r["mode"] == "text":
         how = "greedy" if r["greedy"] else f"temperature {r['temperature']:g}"
         per = "" if r["wall_per_step_s"] is None else f", {r['wall_per_step_s'] * 1e3:.2f} ms/token"

@@ -16,6 +16,7 @@ import numpy as np
 from xlaopt.analysis.hardware import mesh_peak
 from xlaopt.checkpoint import CheckpointError, CheckpointManager, Retention, local_format
 from xlaopt.checkpoint.local import LocalTier
+from xlaopt.checkpoint.saved_model import config_differences
 from xlaopt.compile import compile_program
 from xlaopt.data.loader import Loader, LoaderState
 from xlaopt.data.prefetch import prefetch
@@ -57,17 +58,10 @@ def _run_meta(program: TrainProgram, loader) -> dict:
 def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
     """Refuse a checkpoint of another model or other data; any execution config is fine."""
     now = _run_meta(program, None)
-    config = json.loads(json.dumps(now["config"]))  # tuples -> lists, as saved
-    # A field added since the checkpoint was saved ran at its default (new fields keep old behaviour).
-    defaults = {f.name: f.default for f in dataclasses.fields(program.model) if f.default is not dataclasses.MISSING}
-    # Checkpoints saved before execution settings left the model config carry them there.
-    saved_model = {k: v for k, v in meta["config"].items() if k not in _FORMER_MODEL_FIELDS}
-    saved = json.loads(json.dumps(defaults)) | saved_model
-    fields = sorted(k for k in set(config) | set(saved) if config.get(k) != saved.get(k))
+    fields = config_differences(program.model, meta)
     if meta["model"] != now["model"] or fields:
-        diff = ", ".join(f"{k}: saved {saved.get(k)!r}, now {config.get(k)!r}" for k in fields[:8])
-        raise CheckpointError(f"{where} holds a checkpoint of {meta['model']} ({diff or 'same fields'}); this run "
-                              f"trains {now['model']}. Use another --ckpt directory or the same model settings")
+        raise CheckpointError(f"{where} holds a checkpoint of {meta['model']} ({', '.join(fields[:8]) or 'same fields'}); "
+                              f"this run trains {now['model']}. Use another --ckpt directory or the same model settings")
     for key in ("seed", "batch"):
         if meta[key] != json.loads(json.dumps(now[key])):
             raise CheckpointError(f"{where}: saved with {key} {meta[key]}, this run has {now[key]}; an exact "
@@ -81,9 +75,6 @@ def _timed(fn, *args):
 
 # How long a process waits at the step loop's start for its slowest peer to restore and compile.
 STEP_LOOP_BARRIER_MS = 30 * 60 * 1000
-
-# Fields that were model-config fields before they became execution settings.
-_FORMER_MODEL_FIELDS = ("remat", "attention_block", "attention")
 
 
 def train(program: TrainProgram, steps: int, progress: bool = True, data_dir: str | None = None,
