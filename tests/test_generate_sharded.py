@@ -93,12 +93,14 @@ def test_sharded_greedy_decoding_equals_one_device(decoder, sharded_decoding, me
 
 @pytest.mark.parametrize("mesh, rows", [("tensor=2", None), ("data=2,tensor=2", "data")])
 def test_decode_cache_is_sharded_and_donated(sharded_decoding, mesh, rows):
-    """The one-token step's cache [L, B, S, N, K]: rows over the batch axes, kv heads over tensor, the
-    same layout in as out (so the donated buffer is updated in place), and a collective in the step."""
+    """The one-token step's cache, a layer's keys [B, N, S, K] and values [B, N, K, S]: rows over the
+    batch axes, kv heads over tensor, the same layout in as out (so the donated buffers are updated
+    in place), and a collective in the step."""
     decoding, _ = sharded_decoding(mesh)
     (step,) = [exe for key, exe in decoding._compiled.items() if key[0] == "decode"]
     cache_in, cache_out = step.input_shardings[0][2], step.output_shardings[2]
-    assert cache_in.k_LBSNK.spec == cache_out.k_LBSNK.spec == P(None, rows, None, "tensor")
+    for k_in, k_out, v_in, v_out in zip(cache_in.k_BNSK, cache_out.k_BNSK, cache_in.v_BNKS, cache_out.v_BNKS):
+        assert k_in.spec == k_out.spec == v_in.spec == v_out.spec == P(rows, "tensor")
     hlo = step.as_text()
     assert "input_output_alias" in hlo and "all-reduce" in hlo
 

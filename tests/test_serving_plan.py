@@ -80,6 +80,8 @@ def test_analyze_a_compiled_decode_step_on_a_mesh(mesh, tmp_path):
     assert r["memory"]["aliased"] == cache + 4  # and the cache length, an int32
     assert 0.95 < r["memory"]["arguments"] / r["analytic_memory_bytes"] <= 1.0  # the analytic adds activations
     assert r["all_reduces"] >= 1 and r["step_time_s"] > 0
+    # The floor: every argument (weights, cache) read once over the device's HBM bandwidth.
+    assert r["floor_s"] == pytest.approx(r["memory"]["arguments"] / 3.35e12) and r["step_over_floor"] >= 1.0
 
 
 def test_analyze_a_compiled_denoising_step_cached_and_uncached(tmp_path):

@@ -163,6 +163,19 @@ def test_copies_run_on_their_own_stream_at_hbm_bandwidth():
     assert r.step_time_s == pytest.approx(2e-3) and r.exposed_copy_s == pytest.approx(2e-3)
 
 
+def test_a_matmul_below_the_ridge_is_priced_by_its_bytes():
+    """A decode step's gemm (few rows against a large weight) is bound by the weight's bytes: priced
+    as memory-bound work, not by the fitted size curve and its fixed cost; a compute-bound matmul
+    keeps the curve. The toy device's ridge: 1 FLOP a byte."""
+    from xlaopt.analysis.simulate import compute_time_s
+
+    eff = dataclasses.replace(EFF, matmul_half_flops=1e9)
+    skinny = Op("gemv", "fusion", "compute", "main", 0, flops=1e8, bytes=int(1e9), matmuls=(1e8,), dtype="bf16")
+    square = Op("gemm", "fusion", "compute", "main", 0, flops=1e10, bytes=int(1e9), matmuls=(1e10,), dtype="bf16")
+    assert compute_time_s(skinny, TOPO, eff) == pytest.approx(1e-3)  # 1 GB at 1 TB/s
+    assert compute_time_s(square, TOPO, eff) == pytest.approx(11e-3)  # (1e10 + 1e9) FLOPs at 1 TFLOP/s
+
+
 def test_mfu():
     assert mfu(2e12, 1.0, TOPO, 4) == pytest.approx(0.5)
 

@@ -101,6 +101,12 @@ def compute_time_s(op: Op, topology: Topology, eff: costmodel.Efficiency = costm
         return memory
     peak = _peak(topology, matmul_dtype or HLO_DTYPES.get(op.dtype or "", "bfloat16"))
     mmax = eff.matmul_max_for(topology.device.name)
+    if hbm > 0 and op.repeat * sum(op.matmuls) < op.bytes * peak * mmax / hbm:
+        # Below the ridge point a matmul is bound by its bytes (a decode step's few rows against
+        # every weight): priced as memory-bound work is. The size curve was fitted on training
+        # steps, whose matmuls are compute-bound, and its fixed cost a matmul (some 56 us on an
+        # H100) would price a decode step's 481 skinny gemms at 27 ms against 6 ms of their bytes.
+        return memory
     matmul = op.repeat * sum(costmodel.matmul_time_s(f, peak, f, mmax, eff.matmul_half_flops) for f in op.matmuls)
     return max(matmul, memory)
 

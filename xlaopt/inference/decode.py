@@ -15,11 +15,13 @@ per-step wall times. Rows share one length (equal-length prompts): left-padding 
 prompts is not supported.
 
 On a mesh (`Decoding(model, placement)`, `inference.placement`) the parameters sit in their
-training layout, the prompt's rows split over the batch axes, and the cache [L, B, S, N, K]
-takes its rows there too and its kv heads over `tensor`: the cache and the outputs are
-constrained by logical axes (`CACHE_AXES`, `layers.constrain`, a no-op on one device) so each
-step's outputs land where the next step's inputs were compiled to be, and the donated cache
-keeps one layout.
+training layout, the prompt's rows split over the batch axes, and each layer's cache (keys [B,
+N, S, K], values [B, N, K, S]) takes its rows there too and its kv heads over `tensor`: the cache
+and the outputs are constrained by logical axes (`K_CACHE_AXES`, `V_CACHE_AXES`,
+`layers.constrain`, a no-op on one device) so each step's outputs land where the next step's
+inputs were compiled to be, and the donated cache keeps one layout. The step runs layer by layer
+over weights split once from the training stack (`layer_params`), so that every matmul reads its
+weights and every attention its cache in place, as a decode step at the HBM floor must.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.errors import UserError
 from xlaopt.models import cosmos3, decoder
@@ -79,70 +82,100 @@ def tower_of(model) -> Tower:
     raise UserError(f"KV-cached decoding needs a Decoder or a Cosmos3 model, not {type(model).__name__}")
 
 
-# Logical axes of a cache [L, B, S, N, K]: rows as the batch's, positions as a sequence's, kv
-# heads as the attention's (None for layers: no rule splits them).
+# Logical axes of Cosmos 3 sampling's stacked reasoner cache [L, B, S, N, K] (`sample_cosmos`).
 CACHE_AXES = (None, "batch", "seq", "act_kv_heads", "head_dim")
+# One decoding layer's cache: keys [B, N, S, K], values [B, N, K, S], positions minor, which is how
+# XLA's GPU dot of the probabilities with the values reads them. Kept as [B, S, N, K], XLA
+# transposed the whole value cache at every step (2 x 2.7 GB a device on llama3-70b, BENCHMARKS.md).
+K_CACHE_AXES = ("batch", "act_kv_heads", "seq", "head_dim")
+V_CACHE_AXES = ("batch", "act_kv_heads", "head_dim", "seq")
 PROMPT_AXES = ("batch", "seq")
 TOKEN_AXES = ("batch",)
 LOGITS_AXES = ("batch", "act_vocab")
 
 
 class KVCache(NamedTuple):
-    """Rotated keys and values of every layer; positions >= `length` are unwritten."""
-    k_LBSNK: jax.Array
-    v_LBSNK: jax.Array
+    """Rotated keys and values, one array a layer (each updated in place, none sliced out of a
+    stack); positions >= `length` are unwritten."""
+    k_BNSK: tuple[jax.Array, ...]
+    v_BNKS: tuple[jax.Array, ...]
     length: jax.Array  # int32 scalar: tokens cached, the same in every row
 
     @property
     def max_len(self) -> int:
-        return self.k_LBSNK.shape[2]
+        return self.k_BNSK[0].shape[2]
 
     def constrained(self) -> "KVCache":
-        return KVCache(constrain(self.k_LBSNK, CACHE_AXES), constrain(self.v_LBSNK, CACHE_AXES), self.length)
+        return KVCache(tuple(constrain(k, K_CACHE_AXES) for k in self.k_BNSK),
+                       tuple(constrain(v, V_CACHE_AXES) for v in self.v_BNKS), self.length)
+
+
+def cache_shapes(tower: Tower, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's (keys, values) cache shapes."""
+    N, K = tower.block["num_kv_heads"], tower.block["head_dim"]
+    return (batch, N, max_len, K), (batch, N, K, max_len)
 
 
 def empty_cache(tower: Tower, batch: int, max_len: int) -> KVCache:
-    b = tower.block
-    shape = (tower.num_layers, batch, max_len, b["num_kv_heads"], b["head_dim"])
-    return KVCache(jnp.zeros(shape, tower.dtype), jnp.zeros(shape, tower.dtype), jnp.zeros((), jnp.int32))
+    k_shape, v_shape = cache_shapes(tower, batch, max_len)
+    return KVCache(tuple(jnp.zeros(k_shape, tower.dtype) for _ in range(tower.num_layers)),
+                   tuple(jnp.zeros(v_shape, tower.dtype) for _ in range(tower.num_layers)), jnp.zeros((), jnp.int32))
 
 
-def _layer(tower: Tower, params_i, carry, rope, start):
-    """One layer over the new tokens: their keys and values join layer i's cache, and they
+def layer_params(tower: Tower, params) -> dict:
+    """The parameters with the layer stack split into one tree a layer, as decoding reads them:
+    sliced from a stack inside the step (a scan), each layer's weights were copied out before its
+    matmuls, twice the weights' bytes a token (llama3-70b, BENCHMARKS.md). Done once, on arrays
+    or on abstract ones (`jax.ShapeDtypeStruct` with their shardings, for a compile)."""
+    stacked = params["layers"][tower.layer_name]
+    if not isinstance(stacked, dict):
+        return params  # split already
+    layers = tuple(jax.tree.map(lambda a, i=i: _layer_of(a, i), stacked) for i in range(tower.num_layers))
+    return {**params, "layers": {**params["layers"], tower.layer_name: layers}}
+
+
+def _layer_of(a, i: int):
+    if isinstance(a, jax.ShapeDtypeStruct):
+        s = a.sharding
+        sharding = None if s is None else NamedSharding(s.mesh, PartitionSpec(*tuple(s.spec)[1:]))
+        return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sharding)
+    return a[i]
+
+
+def _layer(tower: Tower, params_i, x_BLD, k_BNSK, v_BNKS, rope, start):
+    """One layer over the new tokens: their keys and values join the layer's cache, and they
     attend over it causally (a query at position p sees cached positions <= p)."""
-    x_BLD, k_LBSNK, v_LBSNK, i = carry
     block = TransformerBlock(**tower.block)
     q_BLHK, k_BLNK, v_BLNK, _ = block.apply({"params": params_i}, x_BLD, *rope, method="qkv")
-    k_LBSNK = jax.lax.dynamic_update_slice(k_LBSNK, k_BLNK[None].astype(k_LBSNK.dtype), (i, 0, start, 0, 0))
-    v_LBSNK = jax.lax.dynamic_update_slice(v_LBSNK, v_BLNK[None].astype(v_LBSNK.dtype), (i, 0, start, 0, 0))
-    # The scan's carry keeps the cache's layout on a mesh: each layer's write stays in place, no reshard.
-    k_LBSNK, v_LBSNK = constrain(k_LBSNK, CACHE_AXES), constrain(v_LBSNK, CACHE_AXES)
-    B, L, S = x_BLD.shape[0], x_BLD.shape[1], k_LBSNK.shape[2]
+    k_BNSK = jax.lax.dynamic_update_slice(k_BNSK, k_BLNK.transpose(0, 2, 1, 3).astype(k_BNSK.dtype), (0, 0, start, 0))
+    v_BNKS = jax.lax.dynamic_update_slice(v_BNKS, v_BLNK.transpose(0, 2, 3, 1).astype(v_BNKS.dtype), (0, 0, 0, start))
+    # Each layer's write stays in place on a mesh: the cache keeps its layout, no reshard.
+    k_BNSK, v_BNKS = constrain(k_BNSK, K_CACHE_AXES), constrain(v_BNKS, V_CACHE_AXES)
+    B, L, S = x_BLD.shape[0], x_BLD.shape[1], k_BNSK.shape[2]
     mask_BLS = jnp.broadcast_to(jnp.arange(S)[None, :] <= start + jnp.arange(L)[:, None], (B, L, S))
-    attn_BLHK = attention(q_BLHK, k_LBSNK[i], v_LBSNK[i], mask_BLS)
-    return block.apply({"params": params_i}, x_BLD, attn_BLHK, method="finish"), k_LBSNK, v_LBSNK, i + 1
+    attn_BLHK = attention(q_BLHK, k_BNSK.transpose(0, 2, 1, 3), v_BNKS.transpose(0, 3, 1, 2), mask_BLS)
+    return block.apply({"params": params_i}, x_BLD, attn_BLHK, method="finish"), k_BNSK, v_BNKS
 
 
 def extend(tower: Tower, params, tokens_BL, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Next-token logits [B, E] (fp32) after the last of L new tokens, and the cache holding them.
-    The caller keeps `cache.length + L <= cache.max_len` (`Decoding` checks it up front): under
-    jit a write past the end cannot raise, XLA would clamp it onto the last slots."""
+    `params` as `layer_params` gives them. The caller keeps `cache.length + L <= cache.max_len`
+    (`Decoding` checks it up front): under jit a write past the end cannot raise, XLA would clamp
+    it onto the last slots."""
     B, L = tokens_BL.shape
     cache = cache.constrained()
     start = cache.length
     x_BLD = embedding_lookup(params["embed_ED"], tokens_BL, "vocab").astype(tower.dtype)
     positions_3BL = jnp.broadcast_to(start + jnp.arange(L, dtype=jnp.int32), (3, B, L))  # text: (p, p, p)
     rope = tower.rope(positions_3BL)
-
-    # The whole cache rides in the scan's carry (not its xs/ys) so each layer's write can be an
-    # in-place dynamic-update-slice of the donated buffer (the compiled step aliases the cache
-    # input to its output) rather than a fresh stacked copy of every layer's cache.
-    def body(carry, params_i):
-        return _layer(tower, params_i, carry, rope, start), None
-
-    carry = (x_BLD, cache.k_LBSNK, cache.v_LBSNK, jnp.zeros((), jnp.int32))
-    (x_BLD, k_LBSNK, v_LBSNK, _), _ = jax.lax.scan(body, carry, params["layers"][tower.layer_name])
-    return lm_logits(tower, params, x_BLD[:, -1:])[:, 0], KVCache(k_LBSNK, v_LBSNK, start + L).constrained()
+    # Layer by layer, not a scan: each layer's weights and cache are arguments of their own, read
+    # in place by its matmuls and updated in place (the donated cache aliases the step's output).
+    ks, vs = [], []
+    for params_i, k_BNSK, v_BNKS in zip(params["layers"][tower.layer_name], cache.k_BNSK, cache.v_BNKS):
+        x_BLD, k_BNSK, v_BNKS = _layer(tower, params_i, x_BLD, k_BNSK, v_BNKS, rope, start)
+        ks.append(k_BNSK)
+        vs.append(v_BNKS)
+    return lm_logits(tower, params, x_BLD[:, -1:])[:, 0], KVCache(tuple(ks), tuple(vs), start + L).constrained()
 
 
 def lm_logits(tower: Tower, params, x_BLD) -> jax.Array:
@@ -264,8 +297,8 @@ class Decoding:
         """Unboxed parameters and int32 rows, on the placement's mesh when there is one."""
         params, rows = nn.meta.unbox(params), jnp.asarray(rows, jnp.int32)
         if self.placement is None:
-            return params, rows
-        return self.placement.put_params(params), self.placement.put(rows, axes, what)
+            return layer_params(self.tower, params), rows
+        return layer_params(self.tower, self.placement.put_params(params)), self.placement.put(rows, axes, what)
 
     def _on_mesh(self, rows: int):
         """Tracing under the placement's mesh and layout for `rows` rows (nothing on one device)."""

@@ -147,7 +147,16 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.execution import ExecutionConfig
     from xlaopt.families import family_of
-    from xlaopt.inference.decode import CACHE_AXES, TOKEN_AXES, KVCache, decode_step, tower_of
+    from xlaopt.inference.decode import (
+        K_CACHE_AXES,
+        TOKEN_AXES,
+        V_CACHE_AXES,
+        KVCache,
+        cache_shapes,
+        decode_step,
+        layer_params,
+        tower_of,
+    )
     from xlaopt.inference.placement import Placement
     from xlaopt.planning.serving import Request, price_decode
 
@@ -159,12 +168,13 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     execution = ExecutionConfig(compute_dtype=dtype)
     placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
     tower = tower_of(family_of(config).module(config, execution))
-    params = _served_params(config, execution, placement, dtype)
-    b = tower.block
-    cache_shape = (tower.num_layers, rows, context, b["num_kv_heads"], b["head_dim"])
-    cache_sharding = placement.sharding(CACHE_AXES, cache_shape, "the KV cache")
-    cache = KVCache(jax.ShapeDtypeStruct(cache_shape, jnp.dtype(dtype), sharding=cache_sharding),
-                    jax.ShapeDtypeStruct(cache_shape, jnp.dtype(dtype), sharding=cache_sharding),
+    params = layer_params(tower, _served_params(config, execution, placement, dtype))
+    one = {}
+    for name, axes, shape in zip("kv", (K_CACHE_AXES, V_CACHE_AXES), cache_shapes(tower, rows, context)):
+        sharding = placement.sharding(axes, shape, "the KV cache")
+        one[name] = tuple(jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+                          for _ in range(tower.num_layers))
+    cache = KVCache(one["k"], one["v"],
                     jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(placement.mesh, PartitionSpec())))
     token = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=placement.sharding(TOKEN_AXES, (rows,), "the tokens"))
     t0 = time.perf_counter()
@@ -175,10 +185,14 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology,
                             efficiency_for(topology))
+    priced = _priced(compiled, spec, topology, target, dtype)
+    # A token step reads each of its arguments (every weight, the whole cache) at least once:
+    # over the HBM bandwidth, the floor no decode step of this layout can beat.
+    floor_s = priced["memory"]["arguments"] / topology.device.hbm_bytes_per_s
     return {
         "model": config.name, "mode": "decode", "mesh": spec.as_dict(), "topology": topology.name, "target": target,
-        "rows": rows, "context": context, "compute_dtype": dtype,
-        **_priced(compiled, spec, topology, target, dtype),
+        "rows": rows, "context": context, "compute_dtype": dtype, **priced,
+        "floor_s": floor_s, "step_over_floor": priced["step_time_s"] / floor_s,
         "cache_aliased": "input_output_alias" in compiled.as_text(),
         "analytic_step_s": analytic.step_s, "analytic_memory_bytes": analytic.memory_bytes,
         "compile_s": compile_s,
@@ -191,7 +205,8 @@ def format_decode(r: dict) -> str:
     return "\n".join([
         f"{r['model']} decode step on {mesh}, topology {r['topology']}, target {r['target']}: {r['rows']} rows over "
         f"{r['context']:,} cached tokens, {r['compute_dtype']}",
-        f"step time {r['step_time_s'] * 1e3:.2f} ms (analytic {r['analytic_step_s'] * 1e3:.2f} ms)   compute "
+        f"step time {r['step_time_s'] * 1e3:.2f} ms (analytic {r['analytic_step_s'] * 1e3:.2f} ms; floor "
+        f"{r['floor_s'] * 1e3:.2f} ms, the arguments read once over HBM: {r['step_over_floor']:.2f}x)   compute "
         f"{r['compute_s'] * 1e3:.2f} ms   comm {r['comm_s'] * 1e3:.2f} ms   exposed {r['exposed_comm_s'] * 1e3:.2f} ms",
         f"memory per device: arguments {r['memory']['arguments'] / gib:.2f} GiB (weights and cache; analytic "
         f"{r['analytic_memory_bytes'] / gib:.2f} GiB), temp {r['memory']['temp'] / gib:.2f} GiB; cache updated in "
