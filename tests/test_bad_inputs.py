@@ -44,6 +44,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "BAD_INPUTS.md"
 # In a run of the whole suite the process has 8 simulated devices already (conftest.py).
 LLAMA = ["--model", "llama-tiny"]
+# A transformers LlamaConfig's config.json, small (for `import-weights --from hf-llama` rows).
+HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64, "hidden_act": "silu",
+            "tie_word_embeddings": False}
 
 
 def plan(topology: str = "h100:1x8", model: str = "llama-tiny") -> list[str]:
@@ -359,6 +364,11 @@ ROWS = [
         lambda w: [*ANALYZE, "--layout", w.file("l.json", '{"mesh": {"data": 2}, "execution": {"micro_batches": 0}}')],
         "micro_batches=0 must be at least 1", UNCHANGED),
     # Corrupted and truncated checkpoints (step 2 of two damaged, read by `xlaopt ckpt`).
+    Row("import-hf-llama-unsupported-feature", PATHS, "`import-weights --from hf-llama DIR` whose config.json has "
+        "`attention_bias: true`",
+        lambda w: ["import-weights", "--from", "hf-llama", str(pathlib.Path(w.file("config.json", json.dumps(
+            {**HF_LLAMA, "attention_bias": True}))).parent), "--out", str(w.tmp / "out")],
+        "attention_bias", UNCHANGED),
     Row("generate-ckpt-of-another-model", CKPT, "`generate --ckpt DIR --model M` where DIR holds another config",
         lambda w: ["generate", "--ckpt", w.ckpt(), "--model", "llama-tiny", "--set", "num_layers=1"],
         "differs from --model llama-tiny: num_layers: saved 4, now 1", CKPT_KEPT, intact_step=True),

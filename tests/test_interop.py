@@ -224,4 +224,4 @@ def test_parity_and_import_weights_on_the_command_line(reference_dir, tmp_path, 
                  "--mesh", "fsdp=2"]) == 0
     assert main(["ckpt", "verify", str(tmp_path / "ckpt")]) == 0
     assert main(["import-weights", "--from", "hf", str(reference_dir), "--out", str(tmp_path / "x")]) == 2
-    assert "only 'diffusers'" in capsys.readouterr().err
+    assert "the formats are diffusers, hf-llama" in capsys.readouterr().err

@@ -56,6 +56,28 @@ def import_to_checkpoint(directory, out, mesh_spec=None, name: str = "cosmos3-di
         n_tensors = len(files.tensors)
     finally:
         files.close()
+    load = lambda shardings: import_params(directory, shardings, name)[2]
+    meta = lambda program: run_meta(program, reference, directory)
+    info = _write_imported(out, config, mesh_spec, settings, step, load, meta)
+    return {**info, "tensors": n_tensors, "reference": reference}
+
+
+def import_llama_to_checkpoint(directory, out, mesh_spec=None, name: str = "hf-llama", step: int = 0,
+                               settings=None) -> dict:
+    """A Hugging Face Llama directory (`xlaopt.interop.hf_llama`) as `out`'s step `step`, as
+    `import_to_checkpoint` writes a diffusers one: its config refused or mapped before any weight
+    is read, the weights placed on `mesh_spec` shard by shard."""
+    from xlaopt.interop import hf_llama
+
+    config = hf_llama.config_from_hf(hf_llama.read_config(directory), name)
+    load = lambda shardings: hf_llama.load(directory, config, shardings, name)[1]
+    meta = lambda program: {"model": program.model.name, "config": dataclasses.asdict(program.model),
+                            "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
+                            "data": None, SOURCE_KEY: {"format": "hf-llama", "dir": str(directory)}}
+    return _write_imported(out, config, mesh_spec, settings, step, load, meta)
+
+
+def _write_imported(out, config, mesh_spec, settings, step: int, load, meta) -> dict:
     out = pathlib.Path(out)
     if out.exists() and committed_steps(out):
         raise WeightsError(f"{out}: already holds checkpoints {committed_steps(out)}; import into a new directory")
@@ -64,18 +86,18 @@ def import_to_checkpoint(directory, out, mesh_spec=None, name: str = "cosmos3-di
         shardings, program = param_shardings(config, mesh_spec, settings)
         from xlaopt.compile import compile_program
         compiled = compile_program(program)
-        _, _, params = import_params(directory, shardings, name)
+        params = load(shardings)
         state = initial_state(program, params, compiled.state_shardings)
         manager = CheckpointManager(out)
-        manager.save(step, state, run_meta(program, reference, directory))
+        manager.save(step, state, meta(program))
         manager.close()
     except BaseException:
         if created and out.exists():
             shutil.rmtree(out, ignore_errors=True)
         raise
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
-    return {"step": step, "tensors": n_tensors, "params": n_params, "config": config, "reference": reference,
-            "program": program}
+    n_tensors = len(jax.tree.leaves(params))
+    return {"step": step, "tensors": n_tensors, "params": n_params, "config": config, "program": program}
 
 
 def export_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "float32") -> list[str]:
