@@ -225,3 +225,19 @@ def test_parity_and_import_weights_on_the_command_line(reference_dir, tmp_path, 
     assert main(["ckpt", "verify", str(tmp_path / "ckpt")]) == 0
     assert main(["import-weights", "--from", "hf", str(reference_dir), "--out", str(tmp_path / "x")]) == 2
     assert "the formats are diffusers, hf-llama" in capsys.readouterr().err
+
+
+def test_an_index_naming_a_file_outside_the_directory_is_refused(reference_dir, tmp_path):
+    """The weight map's file names come from disk: one that leaves the directory is refused (it
+    once was read, as `SafetensorsDir` joined the name to the directory unchecked)."""
+    import json
+
+    outside = tmp_path / "x.safetensors"
+    write_safetensors(outside, {"w": np.zeros(2, np.float32)})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((reference_dir / "config.json").read_text())
+    (bad / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "../x.safetensors"}}))
+    with pytest.raises(WeightsError, match=r"\.\./x\.safetensors"):
+        SafetensorsDir(bad)

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import pathlib
 import shutil
-import struct
 import tempfile
 from typing import Callable
 
@@ -41,122 +39,35 @@ import ml_dtypes
 import numpy as np
 
 from xlaopt.errors import UserError
+from xlaopt.interop import safetensors_io
 from xlaopt.interop.diffusers_config import CONFIG_FILE, ReferenceSettings, diffusers_from_cosmos3, load_config
+from xlaopt.interop.safetensors_io import SafetensorsCheckpoint, SafetensorsError
 from xlaopt.models.cosmos3_config import Cosmos3Config
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
-          "F64": np.dtype(np.float64)}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+# The dtypes the reference's weights come in (and an export writes).
+SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 
 
 class WeightsError(UserError):
     """Weights that do not fit the config; the message lists every problem."""
 
 
-# ---------------------------------------------------------------------------------------
-# safetensors: an 8-byte little-endian header length, a JSON header, raw little-endian bytes.
-# ---------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    file: pathlib.Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
-
-
-def read_header(path: pathlib.Path) -> dict[str, TensorInfo]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise WeightsError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise WeightsError(f"{path}: header of {n} bytes; not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightsError(f"{path}: unreadable safetensors header: {e}") from e
-        size = os.fstat(f.fileno()).st_size
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        info = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), 8 + n + start, 8 + n + end)
-        if info.end > size:
-            raise WeightsError(f"{path}: tensor {name} ends at byte {info.end}, past the file's {size} bytes "
-                               f"(truncated file?)")
-        out[name] = info
-    return out
-
-
-class SafetensorsDir:
-    """The tensors of a diffusers model directory (one file, or shards with an index), read
-    through read-only memory maps: an array is a view, its bytes are read when touched."""
+class SafetensorsDir(SafetensorsCheckpoint):
+    """The tensors of a diffusers model directory (`diffusion_pytorch_model.safetensors`, or its
+    shards and index), read through `xlaopt.interop.safetensors_io`: every header checked, the
+    index's file names kept inside the directory, an array a view read when touched."""
 
     def __init__(self, directory):
-        self.directory = pathlib.Path(directory)
-        index = self.directory / INDEX_NAME
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (self.directory / WEIGHTS_NAME).is_file():
-            files = [WEIGHTS_NAME]
-        else:
-            files = sorted(p.name for p in self.directory.glob("*.safetensors"))
-        if not files:
-            raise WeightsError(f"{directory}: no {WEIGHTS_NAME}, {INDEX_NAME} or *.safetensors file")
-        self.tensors: dict[str, TensorInfo] = {}
-        duplicated = []
-        for name in files:
-            path = self.directory / name
-            if not path.is_file():
-                raise WeightsError(f"{INDEX_NAME} names {name}, which is not in {directory}")
-            for key, info in read_header(path).items():
-                if key in self.tensors:
-                    duplicated.append(key)
-                self.tensors[key] = info
-        if duplicated:
-            raise WeightsError(f"{directory}: tensors stored twice: {sorted(duplicated)}")
-        self._maps: dict[pathlib.Path, mmap.mmap] = {}
-
-    def array(self, name: str) -> np.ndarray:
-        info = self.tensors[name]
-        if info.file not in self._maps:
-            with open(info.file, "rb") as f:
-                self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        dtype = DTYPES[info.dtype]
-        count = int(np.prod(info.shape, dtype=np.int64))
-        return np.frombuffer(self._maps[info.file], dtype.newbyteorder("<"), count, info.start).reshape(info.shape)
-
-    def close(self) -> None:
-        maps, self._maps = self._maps, {}
-        for m in maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view is still alive; the map closes when it is collected
-                pass
+        try:
+            super().__init__(directory, WEIGHTS_NAME, INDEX_NAME)
+        except SafetensorsError as e:
+            raise WeightsError(str(e)) from None
 
 
 def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, a in tensors.items():
-        header[name] = {"dtype": DTYPE_NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in tensors.values():
-            f.write(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    safetensors_io.write_safetensors(path, tensors, {"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,10 +223,10 @@ def check_tensors(files: SafetensorsDir, config: Cosmos3Config, settings: Refere
     unexpected = sorted(set(have) - set(expected))
     wrong = sorted(f"{k}: {have[k].shape} (expected {expected[k]})" for k in set(expected) & set(have)
                    if tuple(have[k].shape) != tuple(expected[k]))
-    dtypes = sorted(f"{k}: {v.dtype}" for k, v in have.items() if v.dtype not in DTYPES)
+    dtypes = sorted(f"{k}: {v.dtype}" for k, v in have.items() if v.dtype not in SUPPORTED_DTYPES)
     problems = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in
                 (("missing tensors", missing), ("wrong shapes", wrong), ("unexpected tensors", unexpected),
-                 (f"unsupported dtypes (supported: {', '.join(DTYPES)})", dtypes)) if items]
+                 (f"unsupported dtypes (supported: {', '.join(SUPPORTED_DTYPES)})", dtypes)) if items]
     if problems:
         raise WeightsError(f"{files.directory}: weights do not match the config ({config.num_layers} layers, "
                            f"d_model {config.d_model}): " + "; ".join(problems))
