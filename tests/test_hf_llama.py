@@ -273,10 +273,10 @@ def test_index_may_not_name_files_outside_its_directory(checkpoint, tmp_path, na
     assert "model.safetensors.index.json" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_import_weights_then_generate_picks_transformers_tokens(checkpoint, tmp_path, capsys):
+def test_import_weights_then_generate_picks_transformers_tokens_and_exports_back(checkpoint, tmp_path, capsys):
     """`xlaopt import-weights --from hf-llama` writes a checkpoint (placed on tensor=2) that
     `xlaopt generate --ckpt` serves: greedy decoding picks the tokens transformers' own greedy
-    `generate` picks after the same prompt."""
+    `generate` picks after the same prompt; `xlaopt export-weights` writes it back."""
     from xlaopt.cli import main
 
     model, directory = checkpoint
@@ -290,3 +290,11 @@ def test_import_weights_then_generate_picks_transformers_tokens(checkpoint, tmp_
     with torch.no_grad():
         want = model.generate(torch.as_tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert served["tokens"][0] == want[0, len(prompt):].tolist()
+    # And back out: `export-weights` writes what transformers loads as the original, bit for bit,
+    # the source's context length kept.
+    assert main(["export-weights", "--ckpt", str(ckpt), "--to", "hf-llama", str(tmp_path / "back")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert_same_weights(back, model)
+    assert back.config.max_position_embeddings == model.config.max_position_embeddings
+    assert main(["export-weights", "--ckpt", str(ckpt), "--to", "onnx", str(tmp_path / "x")]) == 2
+    assert "the formats are hf-llama, diffusers" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from xlaopt.cli import (
     calibrate,
     ckpt,
     data,
+    export_weights,
     generate,
     goodput,
     import_weights,
@@ -37,7 +38,7 @@ from xlaopt.io.outputs import check_outputs
 # The commands in `xlaopt --help`'s order, each module's `main(args)` by name.
 _MODULES = {"train": train, "verify": verify, "inspect": inspect, "analyze": analyze, "plan": plan,
             "generate": generate, "models": models, "passes": passes, "data": data, "calibrate": calibrate,
-            "parity": parity, "import-weights": import_weights, "ckpt": ckpt, "bench": bench,
+            "parity": parity, "import-weights": import_weights, "export-weights": export_weights, "ckpt": ckpt, "bench": bench,
             "goodput": goodput}
 _COMMANDS = {name: module.main for name, module in _MODULES.items()}
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from xlaopt import loss_scale
 from xlaopt.checkpoint import CheckpointManager
 from xlaopt.checkpoint.layout import committed_steps
+from xlaopt.errors import UserError
 from xlaopt.interop.diffusers_config import ReferenceSettings, load_config
 from xlaopt.interop.diffusers_weights import (
     SafetensorsDir,
@@ -98,6 +99,36 @@ def _write_imported(out, config, mesh_spec, settings, step: int, load, meta) -> 
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
     n_tensors = len(jax.tree.leaves(params))
     return {"step": step, "tensors": n_tensors, "params": n_params, "config": config, "program": program}
+
+
+def export_llama_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "float32") -> list[str]:
+    """A decoder's checkpoint (trained, or imported with `import_llama_to_checkpoint`) -> a Hugging
+    Face Llama directory (`hf_llama.save`), read without writing to the checkpoint."""
+    import numpy as np
+
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.families import family_of
+    from xlaopt.inference.checkpoint_params import SavedRun
+    from xlaopt.interop import hf_llama
+
+    saved = SavedRun.open(str(ckpt), step)
+    config = saved.config()
+    if config.family != "decoder":
+        raise WeightsError(f"{ckpt}: a checkpoint of {saved.meta['model']} ({config.family}); the hf-llama layout "
+                           f"holds a decoder LLM's")
+    family = family_of(config)
+    spec = family.batch_spec(config, BatchShape(1, 8, 0))
+    params = saved.params(family.module(config, ExecutionConfig(compute_dtype="float32")),
+                          {k: np.zeros(s, d) for k, (s, d, _) in spec.items()})
+    # The context length is not part of the model's math: kept from the imported source's config.
+    source, positions = saved.meta.get(SOURCE_KEY) or {}, None
+    if source.get("format") == "hf-llama":
+        try:
+            positions = hf_llama.read_config(source["dir"]).get("max_position_embeddings")
+        except UserError:
+            positions = None  # the source is gone: hf_llama.save derives one
+    return hf_llama.save(out_dir, config, params, dtype=dtype, max_position_embeddings=positions)
 
 
 def export_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "float32") -> list[str]:
