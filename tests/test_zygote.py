@@ -33,6 +33,18 @@ def test_children_forked_from_the_zygote_run_their_command_and_report_their_exit
     assert zygote.process.returncode == 0
 
 
+def test_a_zygote_whose_launcher_is_gone_waits_for_its_children_and_exits(tmp_path):
+    """Its launcher killed, the zygote cannot report to it: it reaps its children as they exit
+    (here killed by hand, as an operator would) and then exits cleanly, saying nothing."""
+    zygote = Zygote(command_env())
+    waiting = zygote.spawn(["train", "--model", "llama-tiny", "--mesh", "data=2", "--coordinator",
+                            f"127.0.0.1:{free_port()}", "--num-processes", "2", "--process-id", "1"], {}, "x")
+    os.close(zygote._replies)  # as if the launcher had died: the reply pipe has no reader
+    zygote.process.stdin.close()
+    os.kill(waiting.pid, signal.SIGKILL)
+    assert zygote.process.wait(timeout=60) == 0
+
+
 def _name(pid: int) -> str:
     with open(f"/proc/{pid}/comm") as f:
         return f.read().strip()

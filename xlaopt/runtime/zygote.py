@@ -122,7 +122,10 @@ def serve(replies: int) -> dict | None:
     requests, pending, children, open_ = sys.stdin.fileno(), b"", set(), True
 
     def reply(**message) -> None:
-        os.write(replies, (json.dumps(message) + "\n").encode())
+        try:
+            os.write(replies, (json.dumps(message) + "\n").encode())
+        except BrokenPipeError:
+            pass  # the launcher is gone (killed): keep reaping until its children have exited
 
     while open_ or children:
         ready, _, _ = select.select([requests, wake_read] if open_ else [wake_read], [], [], 1.0)
