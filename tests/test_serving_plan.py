@@ -96,3 +96,29 @@ def test_analyze_a_compiled_denoising_step_cached_and_uncached(tmp_path):
     assert r["uncached"]["step_time_s"] > r["cached"]["step_time_s"] > 0 and r["speedup_vs_uncached"] > 1
     assert r["analytic"]["uncached_step_s"] > r["analytic"]["cached_step_s"]
     assert r["cached"]["all_reduces"] >= 1
+
+
+def test_a_gpu_decode_step_reads_weights_and_cache_in_place(monkeypatch):
+    """On XLA's deviceless H100 compile (jax 0.10.2) the decode step has no copy of a layer's
+    weights out of a stack (no dynamic-slice) and no transpose of a cache, and every cache buffer
+    is updated in place: what the serving layout (`decode.layer_params`, values [B, N, K, S]) is
+    for. Before it, this program held one dynamic-slice fusion per weight per layer and transposed
+    the whole value cache in and out (BENCHMARKS.md, issue 30)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.planning import serving_step
+    from xlaopt.sharding import DEFAULT_RULES
+
+    texts = []
+    priced = serving_step._priced
+    monkeypatch.setattr(serving_step, "_priced", lambda compiled, *a: texts.append(compiled.as_text())
+                        or priced(compiled, *a))
+    config = get_config("llama-tiny", {"num_layers": 2})
+    r = serving_step.analyze_decode(config, MeshSpec.parse("tensor=2"), DEFAULT_RULES, parse_topology("h100:1x8"),
+                                    "gpu", 8, 256)
+    (hlo,) = texts
+    assert "dynamic-slice(" not in hlo and "dynamic_slice_fusion" not in hlo
+    assert "transpose" not in hlo.split("ENTRY")[1]  # the entry computation: the per-step ops
+    # Both layers' keys and values, and the cache length: aliased to the outputs.
+    assert hlo.count("may-alias") + hlo.count("must-alias") >= 4
+    assert r["cache_aliased"] and r["step_over_floor"] >= 1.0
