@@ -56,6 +56,7 @@ def plan(topology: str = "h100:1x8", model: str = "llama-tiny") -> list[str]:
 
 
 PLAN = plan()
+VIDEO = ["plan", "--model", "cosmos3-tiny", "--topology", "h100:1x8", "--serve", "video"]
 GOODPUT = ["goodput", "plan", "--gpus", "1024", "--step-s", "1", "--save-s", "30", "--restore-s", "60", "--startup-s", "90",
            "--gap-s", "30", "--seeds", "2"]
 ANALYZE = ["analyze", *LLAMA, "--topology", "h100:1x8"]
@@ -277,6 +278,19 @@ ROWS = [
     Row("serve-context-zero", RANGE, "`analyze --serve decode --context 0` (was a JAX traceback)",
         lambda w: [*ANALYZE, "--serve", "decode", "--context", "0"], "--context 0: must be at least 1", REFUSED,
         before_work=True),
+    Row("video-resolution-unknown", RANGE, "`plan --serve video --resolution 1080p` (a tier Cosmos 3 does not have)",
+        lambda w: [*VIDEO, "--resolution", "1080p"], "--resolution '1080p': Cosmos 3 generates at 256p, 480p, 720p",
+        UNCHANGED),
+    Row("video-frames-not-4k-plus-1", RANGE, "`plan --serve video --frames 190` (the VAE's temporal factor is 4)",
+        lambda w: [*VIDEO, "--frames", "190"], "needs 4k+1 frames (the first frame stands alone); e.g. 189 or 193",
+        UNCHANGED),
+    Row("video-frames-over-tier", RANGE, "`plan --serve video --resolution 720p --frames 401`",
+        lambda w: [*VIDEO, "--frames", "401"], "--frames 401: the 720p tier takes at most 200 frames", UNCHANGED),
+    Row("video-without-generator", ARGS, "`plan --serve video --model llama-tiny`",
+        lambda w: ["plan", *LLAMA, "--topology", "h100:1x8", "--serve", "video"],
+        "llama-tiny has no generator (serve it with --serve decode)", UNCHANGED),
+    Row("video-mesh-fsdp", LAYOUT, "`plan --serve video --mesh fsdp=8` (a training layout)",
+        lambda w: [*VIDEO, "--mesh", "fsdp=8"], "fsdp and stage are training layouts", UNCHANGED),
     Row("bench-size-negative", RANGE, "`bench checkpoint --size-gb -1` (ran, and reported)",
         lambda w: ["bench", "checkpoint", "--size-gb", "-1", "--dir", str(w.tmp)],
         "--size-gb -1: must be a finite number > 0", REFUSED, before_work=True),

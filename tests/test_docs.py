@@ -193,6 +193,8 @@ FIRST_LOOK = {
     "passes": ["1. layout-plan", "mesh-layout", "overlap-flags"],
     "plan --model llama3-70b --topology h100:1x8 --serve decode": ["serve llama3-70b on h100:1x8", "tp=8"],
     "plan --model llama3-8b --topology h100:2x8 --top 0": ["best: ", "baseline (pure FSDP)", "0 compiled"],
+    "plan --model cosmos3-nano --topology h200:1x8 --serve video --resolution 720p --frames 189":
+        ["44,160 generator tokens", "cfg2 x sp4", "best", "tp8"],
     "--help": ["usage: xlaopt", "train", "plan", "analyze"],
 }
 

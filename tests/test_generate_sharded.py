@@ -121,7 +121,7 @@ def test_rows_that_do_not_divide_are_replicated(decoder, sharded_decoding):
 
 @pytest.fixture(scope="module")
 def cosmos():
-    """(params, the sharded sampler, its sample, the one-device sample), cached, guidance on."""
+    """(params, the sharded sampler, its sample, the one-device sample, the request), cached, guidance on."""
     config = get_config("cosmos3-tiny", dict(num_layers=2))
     model = Cosmos3(config, jnp.float32)
     rng = np.random.default_rng(5)
@@ -132,18 +132,18 @@ def cosmos():
     schedule = FlowSchedule(STEPS, shift=3.0)
     one = sc.CosmosSampler(model).sample(params, request, x_T_BVC, schedule, order=1, cached=True)
     sampler = sc.CosmosSampler(model, placement(config, "data=2,tensor=2"))
-    return params, sampler, sampler.sample(params, request, x_T_BVC, schedule, order=1, cached=True), one
+    return params, sampler, sampler.sample(params, request, x_T_BVC, schedule, order=1, cached=True), one, request
 
 
 def test_sharded_cached_sampling_equals_one_device(cosmos):
-    _, _, got, one = cosmos
+    _, _, got, one, _ = cosmos
     assert got.stats["model_calls"] == one.stats["model_calls"] == STEPS and got.stats["cfg"]
     assert float(np.abs(one.x0_BVC).max()) > 0.5
     np.testing.assert_allclose(got.x0_BVC, one.x0_BVC, rtol=0, atol=SAMPLE_ATOL)
 
 
 def test_sampling_work_is_split(cosmos):
-    params, sampler, _, _ = cosmos
+    params, sampler, _, _, _ = cosmos
     placed = sampler.placement.put_params(params)
     for tower in ("reasoner", "generator"):
         assert "tensor" in placed["layers"][tower]["q_proj_DHK"].sharding.spec, tower  # heads split, as in training
@@ -152,6 +152,22 @@ def test_sampling_work_is_split(cosmos):
     prefill = sampler._compiled[next(k for k in sampler._compiled if k[0] == "prefill")]
     kv = prefill.output_shardings
     assert kv.k_LBTNK.spec == kv.v_LBTNK.spec == P(None, "data", None, "tensor")  # both branches' rows, kv heads
+
+
+def test_guidance_branches_run_on_separate_device_groups(cosmos):
+    """CFG parallel: a guided request's rows are its prompts' conditional rows, then their
+    unconditional ones, so over data=2 each data group prefills and denoises one branch (its own
+    K/V; the velocities meet only in the guided combination), and the sample above equals one
+    device's. `plan --serve video` prices this layout as cfg2."""
+    params, sampler, _, _, request = cosmos
+    cache, _ = sampler.prefill(params, request)
+    mesh = sampler.placement.mesh
+    coord = {d: idx for idx, d in np.ndenumerate(mesh.devices)}
+    data_axis = mesh.axis_names.index("data")
+    for shard in cache.k_LBTNK.addressable_shards:
+        rows = range(*shard.index[1].indices(2 * B))
+        branch = {"cond" if r < B else "uncond" for r in rows}
+        assert branch == ({"cond"} if coord[shard.device][data_axis] == 0 else {"uncond"}), (shard.device, rows)
 
 
 # ---- the command line ----

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 _COUNTS = {"seed": ("--seed", 0, 2**32 - 1), "keep": ("--keep", 1, None), "keep_every": ("--keep-every", 1, None),
            "top": ("--top", 0, None), "rows": ("--rows", 0, None), "global_batch": ("--global-batch", 1, None),
            "context": ("--context", 1, None), "text_tokens": ("--text-tokens", 1, None),
-           "gen_tokens": ("--gen-tokens", 1, None), "new_tokens": ("--new-tokens", 1, None)}
+           "gen_tokens": ("--gen-tokens", 1, None), "new_tokens": ("--new-tokens", 1, None),
+           "prompt_tokens": ("--prompt-tokens", 1, None), "negative_tokens": ("--negative-tokens", 1, None)}
 # Float flags that must be finite and > 0 (`bench checkpoint --size-gb -1` ran and reported).
 _POSITIVE = {"size_gb": "--size-gb", "shard_mb": "--shard-mb", "temperature": "--temperature"}
 

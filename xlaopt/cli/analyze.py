@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from xlaopt.cli import flags
-from xlaopt.cli.requests import GlobalBatch, ProgramRequest, RowSource, request_of, write_json
+from xlaopt.cli.requests import GlobalBatch, ProgramRequest, RowSource, ServingRequest, request_of, write_json
 from xlaopt.errors import UserError
 
 
@@ -17,11 +17,7 @@ class AnalyzeRequest:
     global_batch: GlobalBatch
     target: str
     trace: str | None
-    serve: str | None
-    context: int
-    text_tokens: int
-    gen_tokens: int
-    guidance: float
+    serving: ServingRequest
 
 
 def register(sub) -> None:
@@ -44,20 +40,13 @@ def register(sub) -> None:
     p.add_argument("--skip-oversize", action="store_true",
                    help="with --mix/--data: leave out samples longer than a row, as `train --skip-oversize` does")
     flags.global_batch_args(p)
-    p.add_argument("--serve", default=None, choices=("decode", "denoise"),
-                   help="price one KV-cached decode step (rows from --global-batch, default 8) or one Cosmos 3 "
-                        "denoising step, cached and uncached (clips from --global-batch, default 1), instead of a "
-                        "training step, beside `plan --serve`'s analytic price")
-    p.add_argument("--context", type=int, default=8192, help="with --serve decode: cached tokens a row")
-    p.add_argument("--text-tokens", type=int, default=512, help="with --serve denoise: prompt tokens a clip")
-    p.add_argument("--gen-tokens", type=int, default=7680, help="with --serve denoise: latent tokens a clip")
-    p.add_argument("--guidance", type=float, default=3.0, help="with --serve denoise: CFG scale (1: one branch)")
+    flags.serving_args(p, "compiled, beside `plan --serve`'s analytic price")
 
 
 def main(args: argparse.Namespace) -> int:
     return run(request_of(AnalyzeRequest, args, program=ProgramRequest.of(args),
                           rows=RowSource(args.data, args.mix, args.skip_oversize),
-                          global_batch=GlobalBatch(args.global_batch, args.seq)))
+                          global_batch=GlobalBatch(args.global_batch, args.seq), serving=ServingRequest.of(args)))
 
 
 def run(request: AnalyzeRequest) -> int:
@@ -83,7 +72,7 @@ def run(request: AnalyzeRequest) -> int:
         import jax
 
         jax.config.update("jax_platforms", "cpu")  # the GPU compiler runs deviceless
-    if request.serve is not None:
+    if request.serving.mode is not None:
         return _serving(request, config, layout, topology)
     return _training(request, config, layout, topology, given.over(layout.batch))
 
@@ -93,14 +82,21 @@ def _serving(request: AnalyzeRequest, config, layout, topology) -> int:
     from xlaopt.planning import serving_step
 
     rows, dtype = request.global_batch.global_batch, programs.compute_dtype(request.program, layout)
-    if request.serve == "decode":
+    asked = request.serving
+    if asked.mode == "decode":
         result = serving_step.analyze_decode(config, layout.mesh, layout.rules, topology, request.target,
-                                             rows or 8, request.context, dtype)
+                                             rows or 8, asked.context, dtype)
         print(serving_step.format_decode(result))
-    else:
+    elif asked.mode == "denoise":
         result = serving_step.analyze_denoise(config, layout.mesh, layout.rules, topology, request.target, rows or 1,
-                                              request.text_tokens, request.gen_tokens, request.guidance, dtype)
+                                              asked.text_tokens, asked.gen_tokens, asked.denoise_guidance(), dtype)
         print(serving_step.format_denoise(result))
+    else:
+        from xlaopt.planning.serving_video_step import analyze_video, format_video_step
+
+        result = analyze_video(config, layout.mesh, layout.rules, topology, request.target, asked.profile(),
+                               asked.prompt_cache, dtype)
+        print(format_video_step(result))
     write_json(request.program.json, result)
     return 0
 

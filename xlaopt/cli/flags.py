@@ -60,3 +60,28 @@ def global_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, metavar="S",
                    help="tokens per row: a decoder's sequence length; for Cosmos 3 a row's text + generator "
                         "tokens, split in the ratio of the mix's row budget (--mix) or the family default's")
+
+
+def serving_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--serve and what each serving mode asks for, shared by `plan` (analytic) and `analyze` (compiled)."""
+    g = p.add_argument_group(f"serving ({what}: no gradients or optimizer state)")
+    g.add_argument("--serve", default=None, choices=("decode", "denoise", "video"),
+                   help="instead of a training step: a KV-cached decode step (rows from --global-batch, default 8), "
+                        "one Cosmos 3 denoising step (clips from --global-batch, default 1), or a whole Cosmos 3 "
+                        "text-to-video request (prompt, denoising steps, VAE decode) in seconds a video")
+    g.add_argument("--context", type=int, default=8192, help="decode: cached tokens a row (default 8192)")
+    g.add_argument("--text-tokens", type=int, default=512, help="denoise: prompt tokens a row (default 512)")
+    g.add_argument("--gen-tokens", type=int, default=7680,
+                   help="denoise: generator tokens a row (default 7680, a 480p clip of cosmos3-480p)")
+    g.add_argument("--guidance", type=float, default=None,
+                   help="denoise, video: CFG scale; above 1 both branches run (default: denoise 3, video NVIDIA's 6)")
+    g.add_argument("--resolution", default="720p", help="video: the resolution tier, 256p, 480p or 720p (default 720p)")
+    g.add_argument("--frames", type=int, default=189, help="video: frames, 4k+1 (default 189, 7.9 s at 24 fps)")
+    g.add_argument("--steps", type=int, default=35, help="video: denoising steps (default NVIDIA's 35)")
+    g.add_argument("--prompt-tokens", type=int, default=None,
+                   help="video: the prompt's tokens (default 1700, NVIDIA's benchmark prompt estimated)")
+    g.add_argument("--negative-tokens", type=int, default=None,
+                   help="video: the negative prompt's tokens (default 3700, NVIDIA's default estimated)")
+    g.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                   help="video: run the whole joint sequence every step, as NVIDIA's PyTorch reference did when "
+                        "its times were published (default: xlaopt's sampler, the prompt's K/V computed once)")

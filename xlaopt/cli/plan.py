@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 
 from xlaopt.cli import flags
-from xlaopt.cli.requests import GlobalBatch, RowSource, request_of, write_json
+from xlaopt.cli.requests import GlobalBatch, RowSource, ServingRequest, request_of, write_json
 from xlaopt.errors import UserError
 
 
@@ -28,11 +28,8 @@ class PlanRequest:
     rows_shown: int
     seed: int
     json: str | None
-    serve: str | None
-    context: int
-    text_tokens: int
-    gen_tokens: int
-    guidance: float
+    mesh: str | None
+    serving: ServingRequest
 
 
 def register(sub) -> None:
@@ -70,21 +67,16 @@ def register(sub) -> None:
     p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT")
-    serve = p.add_argument_group("serving (analytic: no gradients or optimizer state, the KV cache in memory)")
-    serve.add_argument("--serve", default=None, choices=("decode", "denoise"),
-                       help="plan an inference layout for a decode step (LLM, Cosmos 3's reasoner) or a Cosmos 3 "
-                            "denoising step instead of training; rows from --global-batch (default 8, denoise 1)")
-    serve.add_argument("--context", type=int, default=8192, help="decode: cached tokens a row (default 8192)")
-    serve.add_argument("--text-tokens", type=int, default=512, help="denoise: prompt tokens a row (default 512)")
-    serve.add_argument("--gen-tokens", type=int, default=7680,
-                       help="denoise: generator tokens a row (default 7680, a 480p clip of cosmos3-480p)")
-    serve.add_argument("--guidance", type=float, default=3.0,
-                       help="denoise: CFG scale; above 1 both branches run, twice the rows (default 3)")
+    flags.serving_args(p, "analytic")
+    p.add_argument("--mesh", default=None,
+                   help="with --serve video: price this layout instead of planning one (data: the guidance "
+                        "branches first (cfg parallel), then replicas; context: Ulysses; tensor)")
 
 
 def main(args: argparse.Namespace) -> int:
     return run(request_of(PlanRequest, args, overrides=args.set, global_batch=GlobalBatch(args.global_batch, args.seq),
-                          rows=RowSource(args.data, args.mix), execution_settings=args.exec, rows_shown=args.rows))
+                          rows=RowSource(args.data, args.mix), execution_settings=args.exec, rows_shown=args.rows,
+                          serving=ServingRequest.of(args)))
 
 
 def remats(given: str | None) -> tuple[str, ...]:
@@ -125,7 +117,11 @@ def _stages(given: str | None) -> tuple[int, ...]:
 
 
 def run(request: PlanRequest) -> int:
-    if request.serve is not None:
+    if request.mesh is not None and request.serving.mode != "video":
+        raise UserError("--mesh fixes a video serving layout (--serve video); a training plan chooses the mesh")
+    if request.serving.mode == "video":
+        return _video(request)
+    if request.serving.mode is not None:
         return _serving(request)
     policies = remats(request.remat)  # a bad name is refused before any work
     precisions = _precisions(request.precision)
@@ -183,7 +179,6 @@ def run(request: PlanRequest) -> int:
 def _serving(request: PlanRequest) -> int:
     from xlaopt.analysis.topology import parse_topology
     from xlaopt.cli import programs
-    from xlaopt.inference.sample_cosmos import check_guidance
     from xlaopt.layout import Layout, save_layout
     from xlaopt.planning import serving
 
@@ -191,10 +186,11 @@ def _serving(request: PlanRequest) -> int:
         raise UserError("--model is required")
     config = programs.config_of(request.model, request.overrides)
     topology = parse_topology(request.topology)
-    rows = request.global_batch.global_batch or (8 if request.serve == "decode" else 1)
-    if request.serve == "denoise" and check_guidance(request.guidance) != 1.0:
+    asked, mode = request.serving, request.serving.mode
+    rows = request.global_batch.global_batch or (8 if mode == "decode" else 1)
+    if mode == "denoise" and asked.denoise_guidance() != 1.0:
         rows *= 2  # both guidance branches in one batch
-    asked = serving.Request(request.serve, rows, request.context, request.text_tokens, request.gen_tokens)
+    asked = serving.Request(mode, rows, asked.context, asked.text_tokens, asked.gen_tokens)
     ranked = serving.plan_serving(config, topology, asked)
     print(serving.format_serving(config, topology, asked, ranked))
     best = next((p for p in ranked if not p.reason), None)
@@ -205,4 +201,36 @@ def _serving(request: PlanRequest) -> int:
         save_layout(Layout(best.mesh, model=config.name, topology=topology.name), request.out)
         print(f"best layout written to {request.out}")
     write_json(request.json, {"model": config.name, "topology": topology.name, **serving.report(ranked, asked)})
+    return 0
+
+
+def _video(request: PlanRequest) -> int:
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.cli import programs
+    from xlaopt.layout import Layout, save_layout
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.planning import serving_video
+
+    if request.model is None:
+        raise UserError("--model is required")
+    config = programs.config_of(request.model, request.overrides)
+    topology = parse_topology(request.topology)
+    profile = request.serving.profile()
+    fixed = None
+    if request.mesh is not None:
+        fixed = serving_video.layout_of_mesh(MeshSpec.parse(request.mesh), profile.guided)
+        if fixed.mesh.num_devices > topology.num_devices:
+            raise UserError(f"--mesh {request.mesh} needs {fixed.mesh.num_devices} devices but topology "
+                            f"{topology.name} has {topology.num_devices}")
+    ranked = serving_video.plan_video(config, topology, profile, request.serving.prompt_cache, fixed)
+    print(serving_video.format_video(config, topology, profile, ranked, request.rows_shown))
+    best = next((p for p in ranked if not p.reason), None)
+    if best is None:
+        raise UserError(f"no serving layout of {config.name} fits {topology.name}: {ranked[0].reason} at best; "
+                        f"serve it on devices with more memory")
+    if request.out:
+        save_layout(Layout(best.layout.mesh, model=config.name, topology=topology.name), request.out)
+        print(f"best layout written to {request.out}")
+    write_json(request.json, {"model": config.name, "topology": topology.name,
+                              **serving_video.report(config, profile, ranked)})
     return 0

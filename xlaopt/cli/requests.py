@@ -68,3 +68,39 @@ def write_json(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=2, default=str)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingRequest:
+    """The flags of `flags.serving_args`; `mode` None: a training step, not serving."""
+    mode: str | None
+    context: int
+    text_tokens: int
+    gen_tokens: int
+    guidance: float | None
+    resolution: str
+    frames: int
+    steps: int
+    prompt_tokens: int | None
+    negative_tokens: int | None
+    prompt_cache: bool
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "ServingRequest":
+        return request_of(cls, args, mode=args.serve)
+
+    def denoise_guidance(self) -> float:
+        from xlaopt.inference.sample_cosmos import check_guidance
+
+        return check_guidance(3.0 if self.guidance is None else self.guidance)
+
+    def profile(self):
+        """The video request (`inference.video_profile.VideoProfile`): NVIDIA's defaults where not given."""
+        from xlaopt.inference.sample_cosmos import check_guidance
+        from xlaopt.inference.video_profile import VideoProfile
+
+        given = {k: v for k, v in (("guidance", self.guidance), ("prompt_tokens", self.prompt_tokens),
+                                   ("negative_tokens", self.negative_tokens)) if v is not None}
+        if "guidance" in given:
+            check_guidance(given["guidance"])
+        return VideoProfile(resolution=self.resolution, frames=self.frames, steps=self.steps, **given)

@@ -69,9 +69,11 @@ def _served_params(config, execution, placement, dtype):
 
 
 def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
-                    text: int, gen: int, guidance: float = 3.0, dtype: str = "bfloat16") -> dict:
+                    text: int, gen: int, guidance: float = 3.0, dtype: str = "bfloat16",
+                    which: tuple[str, ...] = ("cached", "uncached")) -> dict:
     """Compile and price one denoising step of `rows` clips of `gen` latent tokens after `text`
-    prompt tokens (both guidance branches in one batch when `guidance` != 1), cached and uncached."""
+    prompt tokens (both guidance branches in one batch when `guidance` != 1), cached and uncached
+    (or the one of them `which` names)."""
     from xlaopt.analysis.costmodel import efficiency_for
     from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
     from xlaopt.execution import ExecutionConfig, target_attention
@@ -113,12 +115,13 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     }
     out: dict = {"model": config.name, "mode": "denoise", "mesh": spec.as_dict(), "topology": topology.name,
                  "target": target, "rows": rows, "text": text, "gen": gen, "guidance": guidance, "compute_dtype": dtype}
-    for name, (fn, args) in steps.items():
+    for name, (fn, args) in ((n, steps[n]) for n in which):
         t0 = time.perf_counter()
         with placement.tracing(R):
             compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
         out[name] = dict(_priced(compiled, spec, topology, target, dtype), compile_s=time.perf_counter() - t0)
-    out["speedup_vs_uncached"] = out["uncached"]["step_time_s"] / out["cached"]["step_time_s"]
+    if len(which) == 2:
+        out["speedup_vs_uncached"] = out["uncached"]["step_time_s"] / out["cached"]["step_time_s"]
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_denoise(config, Request("denoise", R, text=text, gen=gen), data, spec.size("tensor"), topology,
                              efficiency_for(topology))
