@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from xlaopt.errors import UserError
-from xlaopt.inference.decode import Decoding, tower_of
+from xlaopt.inference.decode import Decoding, layer_params, tower_of
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3 import Cosmos3
 from xlaopt.models.decoder import Decoder
@@ -113,8 +113,13 @@ def test_executables_are_reused(run, prompt, name):
     assert again.logits_BNE is None
 
 
-def test_prefill_and_decode_step(run, prompt):
-    """The step functions by hand, in a cache larger than needed: unwritten slots stay masked."""
+def test_prefill_and_decode_step(run, prompt, monkeypatch):
+    """The step functions by hand, in a cache larger than needed: unwritten slots stay masked; the
+    layer stack is split from the caller's params once, not again for every token."""
+    from xlaopt.inference import decode
+
+    splits = []
+    monkeypatch.setattr(decode, "layer_params", lambda tower, p: splits.append(1) or layer_params(tower, p))
     decoding, params, got, _ = run("llama-tiny")  # the step code is the same for both towers
     logits_BE, cache = decoding.prefill(params, prompt, T + 5)
     assert int(cache.length) == PROMPT and cache.max_len == T + 5
@@ -122,6 +127,7 @@ def test_prefill_and_decode_step(run, prompt):
         np.testing.assert_allclose(np.asarray(logits_BE), got.logits_BNE[:, step], rtol=0, atol=LOGITS_ATOL)
         logits_BE, cache = decoding.decode_step(params, got.tokens_BN[:, step], cache)
     assert int(cache.length) == PROMPT + 3
+    assert len(splits) <= 1  # one prefill and three steps: four splits without the reuse
 
 
 def test_seeded_sampling(run, prompt):

@@ -221,6 +221,7 @@ class Decoding:
         self.tower = tower_of(model)
         self.placement = placement
         self._compiled: dict = {}
+        self._served_for: tuple | None = None  # (the caller's params, them placed and split)
         self._prefill = jax.jit(functools.partial(prefill, self.tower), static_argnums=(2,))
         self._decode_step = jax.jit(functools.partial(decode_step, self.tower), donate_argnums=(2,))
 
@@ -243,9 +244,9 @@ class Decoding:
         """`new_tokens` tokens after `prompt_BP` [B, P]: greedy (temperature None) or sampled at
         `temperature` with `key`. `cache_len` (default P + new_tokens) may be larger, so prompts
         of other lengths reuse the decode executable."""
-        params, prompt_BP = nn.meta.unbox(params), np.asarray(prompt_BP)
+        prompt_BP = np.asarray(prompt_BP)
         cache_len = prompt_BP.shape[-1] + new_tokens if cache_len is None else cache_len
-        _check_generate(prompt_BP, new_tokens, cache_len, temperature, key, _vocab(params))
+        _check_generate(prompt_BP, new_tokens, cache_len, temperature, key, _vocab(nn.meta.unbox(params)))
         greedy = temperature is None
         key = jax.random.key(0) if greedy else key  # unused by argmax; keeps one signature
         temperature = jnp.float32(1.0 if greedy else temperature)
@@ -294,11 +295,22 @@ class Decoding:
         return exe, time.perf_counter() - t0
 
     def _put(self, params, rows, axes, what: str):
-        """Unboxed parameters and int32 rows, on the placement's mesh when there is one."""
-        params, rows = nn.meta.unbox(params), jnp.asarray(rows, jnp.int32)
-        if self.placement is None:
-            return layer_params(self.tower, params), rows
-        return layer_params(self.tower, self.placement.put_params(params)), self.placement.put(rows, axes, what)
+        """The parameters served (`_served`) and int32 rows, on the placement's mesh when there is one."""
+        rows = jnp.asarray(rows, jnp.int32)
+        return self._served(params), rows if self.placement is None else self.placement.put(rows, axes, what)
+
+    def _served(self, params):
+        """`params` unboxed, placed and split a layer a tree (`layer_params`), once for the same
+        params object: a caller's own token loop over `decode_step` would otherwise slice every
+        layer out of the stack again for every token."""
+        if self._served_for is not None and self._served_for[0] is params:
+            return self._served_for[1]
+        placed = nn.meta.unbox(params)
+        if self.placement is not None:
+            placed = self.placement.put_params(placed)
+        served = layer_params(self.tower, placed)
+        self._served_for = (params, served)
+        return served
 
     def _on_mesh(self, rows: int):
         """Tracing under the placement's mesh and layout for `rows` rows (nothing on one device)."""
