@@ -11,7 +11,7 @@ GPU. Each row on 4 and 8 GPUs is priced on two layouts, because the sources disa
   cfg x sp   the reference code's `latency` preset (cosmos-framework `inference/args.py`: tp_size
              fixed at 1, cfg = 2, Ulysses context parallel over the rest).
 Nothing is fitted to these rows: the matmul fraction is the training fit's, the forward attention
-fraction a published kernel's (`serving_video.FORWARD_ATTENTION`). The prompt lengths are estimates
+fraction a published kernel's (`costmodel.FORWARD_ATTENTION`). The prompt lengths are estimates
 (`VideoProfile`), which matter most at 256p, where the text is a large part of each row.
 
 Then the planner's layouts for Nano and Super on 8 H200 (xlaopt's sampler, prompt K/V cached),
@@ -44,7 +44,7 @@ def priced_rows() -> list[dict]:
     for row in published():
         config, n = get_config(row["model"]), row["gpus"]
         topology = parse_topology(f"{row['gpu']}:1x{n}")
-        eff, profile = cm.efficiency_for(topology), VideoProfile(resolution=row["resolution"])
+        eff, profile = cm.serving_efficiency(topology), VideoProfile(resolution=row["resolution"])
         layouts = {"tensor": sv.VideoLayout(1, 1, 1, n), "cfg x sp": sv.reference_layout(n)}
         priced = {}
         for name, layout in layouts.items():

@@ -57,7 +57,7 @@ def test_the_reference_layout_is_cfg_then_ulysses():
 
 def _price(layout, topology="h200:1x8", cached=True):
     top = parse_topology(topology)
-    return sv.price_video(NANO, VideoProfile(), layout, top, cm.efficiency_for(top), cached)
+    return sv.price_video(NANO, VideoProfile(), layout, top, cm.serving_efficiency(top), cached)
 
 
 def test_layouts_move_the_price_the_way_their_work_splits():
@@ -130,3 +130,16 @@ def test_analyze_serve_video_prices_the_compiled_step_times_the_steps(tmp_path):
     with pytest.raises(UserError, match="plan --serve video --mesh"):  # no sampler splits positions yet
         analyze_video(get_config("cosmos3-tiny"), MeshSpec.parse("context=2"), (), parse_topology("h100:1x8"),
                       "cpu", VideoProfile(resolution="256p", frames=5, prompt_tokens=16, negative_tokens=8))
+
+
+def test_a_serving_steps_cudnn_attention_gets_its_flops_by_name_scope():
+    """XLA counts no FLOPs for cuDNN's fused attention; a serving step's calls are found by the
+    name scope the model traces them under (L queries over S keys) and given 4 H K L S a row."""
+    from xlaopt.models.cudnn_attention import FORWARD_TARGET, fused_tag
+    from xlaopt.planning.serving_step import fused_attention_flops
+
+    hlo = (f'%fmha = custom-call(%q, %k, %v), custom_call_target="{FORWARD_TARGET}", '
+           f'metadata={{op_name="jit(step)/{fused_tag(180, 244)}/attention"}}')
+    assert fused_attention_flops(hlo, heads=8, head_dim=32, rows=2) == {
+        fused_tag(180, 244): {FORWARD_TARGET: 4.0 * 8 * 32 * 2 * 180 * 244}}
+    assert fused_attention_flops("no attention here", 8, 32, 2) == {}

@@ -79,6 +79,26 @@ FITTED = Efficiency(matmul_max=0.639, matmul_max_ampere=0.807, matmul_half_flops
                     nvlink=0.565, network=0.565)
 
 
+# Fused attention's forward at head dim 128 over long non-causal rows, as a fraction of the bf16 peak:
+#   Hopper     FlashAttention-3 (the reference's kernel on sm90): 620.7 TFLOP/s on H100 SXM at
+#              1 x 16 heads x 16,384 x 128 (pytorch/benchmark PR #2391's table), of 989: 0.628;
+#   Blackwell  cuDNN-class fused attention (the reference's sm100 kernels, NATTEN's FMHA and then
+#              cuDNN): FlashAttention-4's paper reaches 1,613 TFLOP/s on B200, "up to 1.3x over
+#              cuDNN 9.13", so cuDNN at about 1,240 of 2,250: 0.55 (derived, not measured here).
+FORWARD_ATTENTION = {"H100": 0.628, "H200": 0.628, "B200": 0.55}
+
+
+def forward_attention_fraction(device_name: str, eff: Efficiency) -> float:
+    """The forward attention fraction for a device by its name; the training fit's elsewhere."""
+    return next((f for key, f in FORWARD_ATTENTION.items() if key in device_name), eff.attention)
+
+
+def serving_efficiency(topology) -> Efficiency:
+    """`efficiency_for(topology)` for a serving step, whose fused attention runs forward only."""
+    eff = efficiency_for(topology)
+    return dataclasses.replace(eff, attention=forward_attention_fraction(topology.device.name, eff))
+
+
 def efficiency_for(topology) -> Efficiency:
     """FITTED for GPUs; for simulated CPU devices, measured on this host (the GPU fit says nothing
     about XLA's CPU kernels): large matmuls reach the measured peak by definition (matmul_max 1);

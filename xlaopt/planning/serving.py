@@ -149,7 +149,7 @@ def plan_serving(config, topology: Topology, request: Request) -> list[ServingPr
                         f"(serve it with --serve decode)")
     if request.mode == "decode" and not family.decodes_text:
         raise UserError(f"--serve decode prices a causal text tower's token step; {config.name} has none")
-    eff = cm.efficiency_for(topology)
+    eff = cm.serving_efficiency(topology)  # forward-only attention
     price = price_decode if request.mode == "decode" else price_denoise
     n, hbm = topology.num_devices, topology.device.hbm_bytes
     out = []

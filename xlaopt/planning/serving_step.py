@@ -37,16 +37,32 @@ def _abstract(x, dtype, sharding):
     return jax.ShapeDtypeStruct(x.shape, served, sharding=sharding)
 
 
-def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: str) -> dict:
+def fused_attention_flops(hlo_text: str, heads: int, head_dim: int, rows: int) -> dict[str, dict[str, float]]:
+    """FLOPs of each cuDNN fused-attention call of a serving step (XLA counts none), by its name
+    scope (`fused_tag`): `rows` rows of `heads` query heads on a device, every query over every
+    key of the call (L x S pairs: a request's row is one segment; a causal call is counted whole,
+    an upper bound)."""
+    import re
+
+    from xlaopt.models.cudnn_attention import FORWARD_TARGET
+
+    tags = set(re.findall(r"xlaopt_fused_L(\d+)_S(\d+)", hlo_text))
+    return {f"xlaopt_fused_L{L}_S{S}": {FORWARD_TARGET: 4.0 * heads * head_dim * rows * int(L) * int(S)}
+            for L, S in tags}
+
+
+def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: str,
+            custom_call_flops: dict | None = None) -> dict:
     """A compiled step's simulated time and memory on the topology."""
-    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.costmodel import serving_efficiency
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import simulate
 
     text = compiled.as_text()
     cpu = target == "cpu"
-    sim = simulate(build_schedule(text), topology.placed(spec.placement()), spec.as_dict(),
-                   eff=efficiency_for(topology), matmul_dtype=dtype if cpu else None, cpu_fixups=cpu,
+    sim = simulate(build_schedule(text, custom_call_flops=custom_call_flops), topology.placed(spec.placement()),
+                   spec.as_dict(),
+                   eff=serving_efficiency(topology), matmul_dtype=dtype if cpu else None, cpu_fixups=cpu,
                    keep_timeline=False)
     memory = compiled.memory_analysis()
     return {"step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
@@ -74,7 +90,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     """Compile and price one denoising step of `rows` clips of `gen` latent tokens after `text`
     prompt tokens (both guidance branches in one batch when `guidance` != 1), cached and uncached
     (or the one of them `which` names)."""
-    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.costmodel import serving_efficiency
     from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
     from xlaopt.execution import ExecutionConfig, target_attention
     from xlaopt.families import family_of
@@ -119,12 +135,15 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
         t0 = time.perf_counter()
         with placement.tracing(R):
             compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
-        out[name] = dict(_priced(compiled, spec, topology, target, dtype), compile_s=time.perf_counter() - t0)
+        # On the GPU the attention is cuDNN's: its FLOPs, per device (rows over data, heads over tensor).
+        fused = fused_attention_flops(compiled.as_text(), config.num_heads // spec.size("tensor"), config.head_dim,
+                                      max(1, R // spec.size("data"))) if target == "gpu" else None
+        out[name] = dict(_priced(compiled, spec, topology, target, dtype, fused), compile_s=time.perf_counter() - t0)
     if len(which) == 2:
         out["speedup_vs_uncached"] = out["uncached"]["step_time_s"] / out["cached"]["step_time_s"]
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_denoise(config, Request("denoise", R, text=text, gen=gen), data, spec.size("tensor"), topology,
-                             efficiency_for(topology))
+                             serving_efficiency(topology))
     out["analytic"] = {"cached_step_s": analytic.step_s, "uncached_step_s": analytic.uncached_step_s}
     return out
 
@@ -147,7 +166,7 @@ def format_denoise(r: dict) -> str:
 def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Topology, target: str, rows: int,
                    context: int, dtype: str = "bfloat16") -> dict:
     """Compile and price one decode step of `rows` rows over a cache of `context` tokens."""
-    from xlaopt.analysis.costmodel import efficiency_for
+    from xlaopt.analysis.costmodel import serving_efficiency
     from xlaopt.execution import ExecutionConfig
     from xlaopt.families import family_of
     from xlaopt.inference.decode import (
@@ -187,7 +206,7 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     compile_s = time.perf_counter() - t0
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology,
-                            efficiency_for(topology))
+                            serving_efficiency(topology))
     priced = _priced(compiled, spec, topology, target, dtype)
     # A token step reads each of its arguments (every weight, the whole cache) at least once:
     # over the HBM bandwidth, the floor no decode step of this layout can beat.

@@ -23,8 +23,8 @@ The VAE decode runs on one device of the group (the reference decodes on one ran
 from its convolutions (`planning.vae_cost`); tokenizing and writing the video are not priced.
 
 Efficiencies: the large-matmul fraction is the training fit's (`costmodel.FITTED`); fused
-attention's forward alone has its own published throughput (`FORWARD_ATTENTION`), since the fit's
-`attention` prices a forward and a backward together.
+attention's forward alone has its own published throughput (`costmodel.FORWARD_ATTENTION`), since
+the fit's `attention` prices a forward and a backward together.
 """
 from __future__ import annotations
 
@@ -39,20 +39,6 @@ from xlaopt.planning.shapes import tower_shape
 from xlaopt.planning.vae_cost import decoder_flops
 
 _BF16 = 2
-# Fused attention's forward at head dim 128 over long non-causal rows, as a fraction of the bf16 peak:
-#   Hopper     FlashAttention-3 (the reference's kernel on sm90): 620.7 TFLOP/s on H100 SXM at
-#              1 x 16 heads x 16,384 x 128 (pytorch/benchmark PR #2391's table), of 989: 0.628;
-#   Blackwell  cuDNN-class fused attention (the reference's sm100 kernels, NATTEN's FMHA and then
-#              cuDNN): FlashAttention-4's paper reaches 1,613 TFLOP/s on B200, "up to 1.3x over
-#              cuDNN 9.13", so cuDNN at about 1,240 of 2,250: 0.55 (derived, not measured here).
-FORWARD_ATTENTION = {"H100": 0.628, "H200": 0.628, "B200": 0.55}
-
-
-def forward_attention_fraction(device_name: str, eff: cm.Efficiency) -> float:
-    """The forward attention fraction for a device by its name; the training fit's elsewhere."""
-    return next((f for key, f in FORWARD_ATTENTION.items() if key in device_name), eff.attention)
-
-
 @dataclasses.dataclass(frozen=True)
 class VideoLayout:
     data: int
@@ -104,7 +90,7 @@ def _branch_step(config, text: int, gen: int, cached: bool, layout: VideoLayout,
     kv_heads = max(config.num_kv_heads / tp, 1.0)
     a2a_bytes = local * (2 * hk / tp + 2 * kv_heads * config.head_dim) * _BF16
     return {"matmuls": cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops),
-            "attention": att / (peak * forward_attention_fraction(dev.name, eff)),
+            "attention": cm.attention_time_s(att, peak, eff),
             "tp": L * 2 * cm.collective_time_s("all-reduce", local * config.d_model * _BF16, tp_span, topology, eff),
             "sp": L * cm.collective_time_s("reduce-scatter", a2a_bytes, sp_span, topology, eff)}
 
@@ -117,7 +103,7 @@ def _prompt_once(config, texts: tuple[int, ...], layout: VideoLayout, topology: 
     lin = sum(2 * t * tower_shape(config).layer_params * L for t in per_group) / (layout.tp * layout.sp)
     att = sum(2 * config.num_heads * config.head_dim * t * t * L for t in per_group) / (layout.tp * layout.sp)
     return (cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops)
-            + att / (peak * forward_attention_fraction(dev.name, eff)))
+            + cm.attention_time_s(att, peak, eff))
 
 
 def vae_decode_s(config, profile: VideoProfile, topology: Topology, eff: cm.Efficiency) -> float:
@@ -146,7 +132,8 @@ def _memory_bytes(config, profile: VideoProfile, layout: VideoLayout, cached: bo
 def price_video(config, profile: VideoProfile, layout: VideoLayout, topology: Topology, eff: cm.Efficiency,
                 cached: bool = True) -> VideoPrice:
     """One request on one replica of `layout`: steps x (its group's branches, one after the other,
-    or the slower of the two groups under cfg, and the velocity swap) + the prompt + the decode."""
+    or the slower of the two groups under cfg, and the velocity swap) + the prompt + the decode;
+    `eff`: `costmodel.serving_efficiency` (attention forward only)."""
     gen = profile.gen_tokens(config.patch_size)
     branches = [_branch_step(config, t, gen, cached, layout, topology, eff) for t in profile.branch_text_tokens()]
     if layout.cfg == 2:
@@ -202,7 +189,7 @@ def plan_video(config, topology: Topology, profile: VideoProfile, cached: bool =
     if not family_of(config).generates_video:
         raise UserError(f"--serve video prices a text-to-video request; {config.name} has no generator "
                         f"(serve it with --serve decode)")
-    eff = cm.efficiency_for(topology)
+    eff = cm.serving_efficiency(topology)
     hbm = topology.device.hbm_bytes
     out = []
     for layout in ([fixed] if fixed is not None else layouts(topology, profile.guided)):

@@ -37,7 +37,7 @@ def analyze_video(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Top
     gen, text = profile.gen_tokens(config.patch_size), max(profile.branch_text_tokens())
     step = analyze_denoise(config, spec, rules, topology, target, 1, text, gen, profile.guidance, dtype,
                            which=(which,))
-    eff = cm.efficiency_for(topology)
+    eff = cm.serving_efficiency(topology)
     analytic = sv.price_video(config, profile, layout, topology, eff, cached)
     parts = {"steps": profile.steps * step[which]["step_time_s"], "prompt": analytic.parts["prompt"],
              "vae": analytic.parts["vae"]}

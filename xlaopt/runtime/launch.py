@@ -59,7 +59,8 @@ def launch(argv: list[str], processes: int, peer_timeout_s: float, restarts: int
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for attempt in range(restarts + 1):
+        attempt = 0
+        while True:  # returns when a job ends that is not to be restarted
             port = free_port()
             # The first processes count their start-up from the launcher's start, a restart's from its fork.
             first = {STARTED_ENV: repr(started) if attempt == 0 else None}
@@ -70,11 +71,11 @@ def launch(argv: list[str], processes: int, peer_timeout_s: float, restarts: int
             code = _supervise(children, peer_timeout_s + GRACE_S, lambda: zygote.poll(timeout=0.1))
             if code == 0 or code in NOT_RESTARTED or stopping or attempt == restarts:
                 return code
-            print(f"xlaopt train: restart {attempt + 1} of {restarts}: every process again, from the newest "
+            attempt += 1
+            print(f"xlaopt train: restart {attempt} of {restarts}: every process again, from the newest "
                   f"checkpoint", file=sys.stderr, flush=True)
             if "--resume" not in argv:
                 argv = [*argv, "--resume"]
-        raise AssertionError("unreachable")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
