@@ -212,7 +212,7 @@ LOSS_RTOL_REPLANNED = 1e-4
 
 
 @pytest.mark.slow  # a two-process job, a one-process reference and a restart on half the devices
-def test_job_restarts_on_fewer_processes_with_a_replanned_layout(tmp_path):
+def test_job_restarts_on_fewer_processes_with_a_replanned_layout(tmp_path, capsys):
     store = tmp_path / "store"
     make_store(store, get_config("cosmos3-tiny"), 300, seed=1, shard_bytes=32 << 10)
     mesh = ["--mesh", "data=2,fsdp=2,tensor=2"]
@@ -228,13 +228,17 @@ def test_job_restarts_on_fewer_processes_with_a_replanned_layout(tmp_path):
     assert procs[0].returncode == EXIT_PEER_LOST, err[-3000:]
     done = [e for e in _ledger(tmp_path / "ckpt") if "step" in e]
 
-    # What remains is one process of 4 devices: plan for it (analytic prices: --top 0), for the
-    # same rows (the layout's batch would otherwise fill in a row split of its own).
+    # What remains is one process of 4 devices: re-plan for it from the old layout (analytic
+    # prices: --top 0), for the same rows (the layout's batch would otherwise fill in a row split
+    # of its own); the plan says what each device must read to reshard the state.
     finish([reference], TIMEOUT_S)
     one = json.loads((tmp_path / "single.json").read_text())
     text, gen = one["batch"]["text_len"], one["batch"]["gen_len"]
-    assert main(["plan", "--model", "cosmos3-tiny", "--set", "num_layers=2", "--topology", "cpu:1x4",
-                 "--global-batch", "4", "--seq", str(text + gen), "--top", "0", "--out", str(tmp_path / "four.json")]) == 0
+    (tmp_path / "old.json").write_text(json.dumps({"model": "cosmos3-tiny", "mesh": {"data": 2, "fsdp": 2, "tensor": 2}}))
+    assert main(["plan", "--model", "cosmos3-tiny", "--set", "num_layers=2", "--from", str(tmp_path / "old.json"),
+                 "--topology", "cpu:1x4", "--global-batch", "4", "--seq", str(text + gen), "--top", "0",
+                 "--out", str(tmp_path / "four.json")]) == 0
+    assert "resharding data=2,fsdp=2,tensor=2 (8 devices) ->" in capsys.readouterr().out
     resumed = _xlaopt("train", *common, "--layout", tmp_path / "four.json", "--text-len", text, "--gen-len", gen,
                       "--ckpt", tmp_path / "ckpt", "--resume", "--json", tmp_path / "resumed.json", fast_compile=True)
     finish([resumed], TIMEOUT_S)
