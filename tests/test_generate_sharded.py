@@ -20,7 +20,7 @@ from xlaopt.inference import sample_cosmos as sc
 from xlaopt.inference.decode import Decoding
 from xlaopt.inference.flow_schedule import FlowSchedule
 from xlaopt.inference.placement import Placement
-from xlaopt.mesh import MeshSpec
+from xlaopt.mesh import MeshError, MeshSpec
 from xlaopt.models.cosmos3 import Cosmos3
 from xlaopt.models.decoder import Decoder
 from xlaopt.models.registry import get_config
@@ -168,6 +168,26 @@ def test_guidance_branches_run_on_separate_device_groups(cosmos):
         rows = range(*shard.index[1].indices(2 * B))
         branch = {"cond" if r < B else "uncond" for r in rows}
         assert branch == ({"cond"} if coord[shard.device][data_axis] == 0 else {"uncond"}), (shard.device, rows)
+
+
+def test_ulysses_sampling_with_cfg_parallel_equals_one_device(cosmos):
+    """data=2 x context=2: the guidance branches on two device groups, each row's positions split
+    over the context ranks, every attention (the reasoner's prefill and the generator's queries
+    over the cached text keys and its own) through Ulysses' all-to-alls on whole rows with half the
+    heads; the sample equals one device's within the same bound as tensor parallelism's."""
+    params, _, _, one, request = cosmos
+    config = get_config("cosmos3-tiny", dict(num_layers=2))
+    sampler = sc.CosmosSampler(Cosmos3(config, jnp.float32),
+                               Placement.on(config, MeshSpec.parse("data=2,context=2"),
+                                            ExecutionConfig(compute_dtype="float32"), positions=True))
+    got = sampler.sample(params, request, request.noise(config, jax.random.key(2)), FlowSchedule(STEPS, shift=3.0),
+                         order=1, cached=True)
+    np.testing.assert_allclose(got.x0_BVC, one.x0_BVC, rtol=0, atol=SAMPLE_ATOL)
+    for name in ("prefill", ("cached", True)):
+        hlo = sampler._compiled[next(k for k in sampler._compiled if k[0] == name)].as_text()
+        assert "all-to-all" in hlo, name
+    with pytest.raises(MeshError, match="decoding does not"):
+        Placement.on(config, MeshSpec.parse("context=2"), ExecutionConfig(compute_dtype="float32"))
 
 
 # ---- the command line ----

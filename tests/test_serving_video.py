@@ -114,22 +114,17 @@ def test_plan_serve_video_writes_seconds_per_video(tmp_path, capsys):
 
 
 def test_analyze_serve_video_prices_the_compiled_step_times_the_steps(tmp_path):
-    """cosmos3-tiny, the guidance branches split over data=2 (CFG parallel), compiled for the CPU:
-    the request is the steps times the compiled step, plus the prompt and the decode."""
+    """cosmos3-tiny, the guidance branches split over data=2 (CFG parallel) and each row's positions
+    over context=2 (Ulysses), compiled for the CPU: the request is the steps times the compiled
+    step, plus the prompt and the decode."""
     out = tmp_path / "video.json"
     assert main(["analyze", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--topology", "h100:1x8", "--mesh",
-                 "data=2", "--target", "cpu", "--serve", "video", "--resolution", "256p", "--frames", "5", "--steps",
-                 "3", "--prompt-tokens", "16", "--negative-tokens", "8", "--json", str(out)]) == 0
+                 "data=2,context=2", "--target", "cpu", "--serve", "video", "--resolution", "256p", "--frames", "5",
+                 "--steps", "3", "--prompt-tokens", "16", "--negative-tokens", "8", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["layout"] == "cfg2" and r["gen"] == 2 * 6 * 10 and r["text"] == 16
+    assert r["layout"] == "cfg2 x sp2" and r["gen"] == 2 * 6 * 10 and r["text"] == 16
     assert r["parts"]["steps"] == pytest.approx(3 * r["cached"]["step_time_s"]) and r["cached"]["step_time_s"] > 0
     assert r["seconds_per_video"] == pytest.approx(sum(r["parts"].values()))
-    from xlaopt.mesh import MeshSpec
-    from xlaopt.planning.serving_video_step import analyze_video
-
-    with pytest.raises(UserError, match="plan --serve video --mesh"):  # no sampler splits positions yet
-        analyze_video(get_config("cosmos3-tiny"), MeshSpec.parse("context=2"), (), parse_topology("h100:1x8"),
-                      "cpu", VideoProfile(resolution="256p", frames=5, prompt_tokens=16, negative_tokens=8))
 
 
 def test_a_serving_steps_cudnn_attention_gets_its_flops_by_name_scope():

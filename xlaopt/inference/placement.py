@@ -11,8 +11,9 @@ Inference lays out what training lays out, by the same rule table (`xlaopt.shard
     (`compile._tracing_context`), so tensor-parallel attention and MLPs shard as in training.
 One difference: a training batch is chosen to divide the batch axes, a request has however
 many rows it has, so an array whose rows do not divide them is replicated over them instead
-(the table without its `batch` rule) rather than refused. Context parallelism (the `context`
-axis) is refused: nothing here splits a row's positions yet.
+(the table without its `batch` rule) rather than refused. The `context` axis splits a row's
+positions, which only Cosmos 3 sampling asks for (`positions=True`: its attention runs through
+Ulysses, `sample_cosmos.ulysses`); decoding a token at a time refuses it.
 """
 from __future__ import annotations
 
@@ -40,17 +41,19 @@ class Placement:
 
     @classmethod
     def on(cls, config, spec: MeshSpec, execution, rules: Sequence[Rule] = DEFAULT_RULES,
-           mesh: jax.sharding.Mesh | None = None) -> "Placement":
+           mesh: jax.sharding.Mesh | None = None, positions: bool = False) -> "Placement":
         """The placement of `config`'s model (built with `execution`) on `spec`'s mesh (`mesh`:
         its devices, e.g. a deviceless GPU compile's; default the simulated CPU devices); a
-        one-line MeshError when the mesh lacks devices or an axis does not divide a parameter."""
+        one-line MeshError when the mesh lacks devices or an axis does not divide a parameter.
+        `positions`: the caller splits a row's positions over `context` (Cosmos 3 sampling, by
+        Ulysses); decoding does not."""
         from xlaopt.context import PassContext
         from xlaopt.families import family_of
         from xlaopt.passes.mesh_layout import MeshLayout
 
-        if spec.size("context") > 1:
-            raise MeshError(f"mesh {spec}: context={spec.size('context')} would split positions, which inference "
-                            f"does not yet (it splits rows over data/fsdp and heads over tensor); drop context")
+        if spec.size("context") > 1 and not positions:
+            raise MeshError(f"mesh {spec}: context={spec.size('context')} would split positions, which decoding "
+                            f"does not (it splits rows over data/fsdp and heads over tensor); drop context")
         mesh = make_mesh(spec) if mesh is None else mesh
         target = "gpu" if mesh.devices.flat[0].platform in ("gpu", "cuda") else "cpu"
         # mesh-layout also resolves a training batch and a traced step's activations; one row per
@@ -129,7 +132,8 @@ class Placement:
             yield
 
 
-def placement_or_none(config, spec: MeshSpec, execution, rules: Sequence[Rule] = DEFAULT_RULES) -> Placement | None:
+def placement_or_none(config, spec: MeshSpec, execution, rules: Sequence[Rule] = DEFAULT_RULES,
+                      positions: bool = False) -> Placement | None:
     """`Placement.on` for a mesh of more than one device; None for one device (nothing to place)."""
-    return None if spec.num_devices == 1 else Placement.on(config, spec, execution, rules)
+    return None if spec.num_devices == 1 else Placement.on(config, spec, execution, rules, positions=positions)
 

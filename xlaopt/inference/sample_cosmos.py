@@ -39,7 +39,10 @@ On a mesh (`CosmosSampler(model, placement)`, `inference.placement`) the paramet
 training layout, the request's rows (both branches) split over the batch axes where they
 divide, the reasoner K/V [L, B, T, N, K] is laid out as the decode cache (`decode.CACHE_AXES`:
 rows there, kv heads over `tensor`), and the latents [B, V, C] keep their rows' layout from
-step to step (the velocity's output sharding is the latents').
+step to step (the velocity's output sharding is the latents'). With guidance, rows split over
+`data` put each branch on its own device group (CFG parallel). A mesh with `context` (a placement
+made with `positions=True`) splits each row's positions and runs every attention through
+Ulysses' all-to-alls (`ulysses`): whole rows with a share of the heads.
 """
 from __future__ import annotations
 
@@ -319,7 +322,8 @@ class CosmosSampler:
         t0 = time.perf_counter()
         rows = args[1]["text_segment_ids_BT"].shape[0]
         on_mesh = contextlib.nullcontext() if self.placement is None else self.placement.tracing(rows)
-        with on_mesh:
+        lengths = [args[1][k].shape[1] for k in ("text_segment_ids_BT", "gen_segment_ids_BV") if k in args[1]]
+        with on_mesh, ulysses(self.placement, self.model.config, lengths):
             exe = jax.jit(fn, out_shardings=out_shardings).lower(*args).compile()
         self._compiled[key] = exe
         return exe, time.perf_counter() - t0
@@ -343,6 +347,30 @@ class CosmosSampler:
     def _scalar(self, value) -> jax.Array:
         value = jnp.float32(value)
         return value if self.placement is None else self.placement.replicate(value)
+
+
+def ulysses(placement, config, lengths: Sequence[int] = ()):
+    """Where the placement splits positions over `context`: every attention traced inside runs
+    through Ulysses' all-to-alls (`transforms.ulysses_attention`), whole rows with a share of the
+    heads, the generator's queries over the cached text keys and its own alike (both lengths must
+    divide the context ranks). A no-op elsewhere."""
+    context = 1 if placement is None else placement.spec.size("context")
+    if context == 1:
+        return contextlib.nullcontext()
+    from xlaopt.models.attention import attention_through
+    from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform, ulysses_split
+
+    split = ulysses_split(config.num_heads, config.num_kv_heads, placement.spec.size("tensor"), context)
+    if split is None:
+        raise UserError(f"mesh {placement.spec}: {config.num_heads} query heads and {config.num_kv_heads} kv heads "
+                        f"over tensor x context do not split for Ulysses; use a context size that divides each "
+                        f"tensor rank's query heads")
+    bad = [n for n in lengths if n % context]
+    if bad:
+        raise UserError(f"mesh {placement.spec}: a row's {' and '.join(map(str, lengths))} text and clip tokens must "
+                        f"each divide context={context} for Ulysses; pad the prompt or pick another clip size")
+    repeat, chunks = split
+    return attention_through(UlyssesAttentionTransform("context", chunks=chunks, kv_repeat=repeat).attend)
 
 
 def _batch_axes(config, batch: dict) -> dict:

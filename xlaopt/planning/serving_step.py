@@ -51,6 +51,18 @@ def fused_attention_flops(hlo_text: str, heads: int, head_dim: int, rows: int) -
             for L, S in tags}
 
 
+def _heads_per_call(config, spec: MeshSpec) -> int:
+    """Query heads one fused-attention call runs on a device: its tensor share, and under Ulysses
+    (whole rows) that share's part of the context ranks, cut into the transform's head groups."""
+    from xlaopt.transforms.ulysses_attention import ulysses_split
+
+    heads, context = config.num_heads // spec.size("tensor"), spec.size("context")
+    if context == 1:
+        return heads
+    _, chunks = ulysses_split(config.num_heads, config.num_kv_heads, spec.size("tensor"), context)
+    return heads // (context * chunks)
+
+
 def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: str,
             custom_call_flops: dict | None = None) -> dict:
     """A compiled step's simulated time and memory on the topology."""
@@ -105,7 +117,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     cfg = guidance != 1.0
     R = 2 * rows if cfg else rows
     execution = ExecutionConfig(compute_dtype=dtype, attention=target_attention(target))
-    placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target))
+    placement = Placement.on(config, spec, execution, rules, mesh=_mesh(spec, topology, target), positions=True)
     model = family_of(config).module(config, execution)
     params = _served_params(config, execution, placement, dtype)
     replicated = NamedSharding(placement.mesh, PartitionSpec())
@@ -133,10 +145,10 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
                  "target": target, "rows": rows, "text": text, "gen": gen, "guidance": guidance, "compute_dtype": dtype}
     for name, (fn, args) in ((n, steps[n]) for n in which):
         t0 = time.perf_counter()
-        with placement.tracing(R):
+        with placement.tracing(R), sc.ulysses(placement, config, (text, gen)):
             compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
         # On the GPU the attention is cuDNN's: its FLOPs, per device (rows over data, heads over tensor).
-        fused = fused_attention_flops(compiled.as_text(), config.num_heads // spec.size("tensor"), config.head_dim,
+        fused = fused_attention_flops(compiled.as_text(), _heads_per_call(config, spec), config.head_dim,
                                       max(1, R // spec.size("data"))) if target == "gpu" else None
         out[name] = dict(_priced(compiled, spec, topology, target, dtype, fused), compile_s=time.perf_counter() - t0)
     if len(which) == 2:

@@ -8,8 +8,8 @@ priced analytically (`serving_video`), beside the analytic price of the whole re
 same layout. Both branches' text regions are one length in a batch: the longer of the prompt and
 the negative prompt, as the sampler pads them.
 
-A layout that splits positions (Ulysses, `context`) is priced by `plan --serve video --mesh`
-only: the sampler does not split a row's positions yet, so there is no program to compile.
+A layout that splits positions over `context` compiles the sampler's Ulysses attention
+(`sample_cosmos.ulysses`): the clip's and the text's lengths must divide the context ranks.
 """
 from __future__ import annotations
 
@@ -26,9 +26,6 @@ def analyze_video(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Top
     from xlaopt.planning import serving_video as sv
     from xlaopt.planning.serving_step import analyze_denoise
 
-    if spec.size("context") > 1:
-        raise UserError(f"--mesh {spec}: Ulysses (context) layouts are priced by `xlaopt plan --serve video --mesh "
-                        f"{spec}`; the sampler does not split a row's positions yet, so there is no step to compile")
     layout = sv.layout_of_mesh(spec, profile.guided)
     if layout.data > 1:
         raise UserError(f"--mesh {spec}: analyze prices one request; data beyond the guidance branches would be "

@@ -108,14 +108,15 @@ def _model(config, execution):
     return family_of(config).module(config, execution)
 
 
-def _placement(config, layout, execution):
+def _placement(config, layout, execution, positions: bool = False):
     """None on one device; else the model's training layout on the mesh, whose simulated CPU
-    devices are asked for first (before anything starts JAX's backends)."""
+    devices are asked for first (before anything starts JAX's backends). `positions`: a video's
+    sampler splits a row's positions over `context` (Ulysses); text decoding does not."""
     from xlaopt.inference.placement import placement_or_none
 
     if layout.mesh.num_devices > 1:
         request_cpu_devices(layout.mesh.num_devices)
-    return placement_or_none(config, layout.mesh, execution, layout.rules)
+    return placement_or_none(config, layout.mesh, execution, layout.rules, positions=positions)
 
 
 def _init_params(model, batch: dict, seed: int, placement=None):
@@ -156,7 +157,7 @@ def generate(request: GenerateRequest) -> dict:
     if rows < 1:
         raise UserError(f"--batch-size {rows}: need at least one row")
     execution = _execution(layout, dtype)
-    placement = _placement(config, layout, execution)
+    placement = _placement(config, layout, execution, positions=mode == "video")
     model = _model(config, execution)
     prompt_BP = _prompts(request, config, rows)
     common = dict(model=config.name, family=config.family, mode=mode, dtype=dtype, batch_size=rows,
