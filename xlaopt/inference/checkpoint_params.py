@@ -70,3 +70,15 @@ class SavedRun:
                                   f"{', ...' if len(missing) > 3 else ''}): not a train state of that model")
         tree, _ = restore_tree(step_dir, manifest, target, partial=True)
         return tree["params"]
+
+    def model_params(self, config, execution, placement=None):
+        """The step's parameters for `config`'s model built with `execution`, shaped on a one-row
+        batch of its family's contract (parameters do not depend on the batch's shape)."""
+        import numpy as np
+
+        from xlaopt.families import family_of
+
+        family = family_of(config)
+        shape = dataclasses.replace(family.default_batch(config), batch_size=1)
+        batch = {k: np.zeros(s, d) for k, (s, d, _) in family.batch_spec(config, shape).items()}
+        return self.params(family.module(config, execution), batch, placement)

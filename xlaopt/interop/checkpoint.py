@@ -104,11 +104,7 @@ def _write_imported(out, config, mesh_spec, settings, step: int, load, meta) -> 
 def export_llama_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str = "float32") -> list[str]:
     """A decoder's checkpoint (trained, or imported with `import_llama_to_checkpoint`) -> a Hugging
     Face Llama directory (`hf_llama.save`), read without writing to the checkpoint."""
-    import numpy as np
-
-    from xlaopt.data.batch import BatchShape
     from xlaopt.execution import ExecutionConfig
-    from xlaopt.families import family_of
     from xlaopt.inference.checkpoint_params import SavedRun
     from xlaopt.interop import hf_llama
 
@@ -117,10 +113,7 @@ def export_llama_checkpoint(ckpt, out_dir, step: int | None = None, dtype: str =
     if config.family != "decoder":
         raise WeightsError(f"{ckpt}: a checkpoint of {saved.meta['model']} ({config.family}); the hf-llama layout "
                            f"holds a decoder LLM's")
-    family = family_of(config)
-    spec = family.batch_spec(config, BatchShape(1, 8, 0))
-    params = saved.params(family.module(config, ExecutionConfig(compute_dtype="float32")),
-                          {k: np.zeros(s, d) for k, (s, d, _) in spec.items()})
+    params = saved.model_params(config, ExecutionConfig(compute_dtype="float32"))
     # The context length is not part of the model's math: kept from the imported source's config.
     source, positions = saved.meta.get(SOURCE_KEY) or {}, None
     if source.get("format") == "hf-llama":
