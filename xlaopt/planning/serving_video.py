@@ -39,6 +39,8 @@ from xlaopt.planning.shapes import tower_shape
 from xlaopt.planning.vae_cost import decoder_flops
 
 _BF16 = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class VideoLayout:
     data: int
@@ -107,12 +109,14 @@ def _prompt_once(config, texts: tuple[int, ...], layout: VideoLayout, topology: 
 
 
 def vae_decode_s(config, profile: VideoProfile, topology: Topology, eff: cm.Efficiency) -> float:
+    """The decode on one device: its convolutions as matmuls of their mean size (`vae_cost`)."""
     t, _, _ = profile.latent_grid(config.patch_size)
     s = profile.vae.spatial
     work = decoder_flops(t, -(-profile.tier.height // s), -(-profile.tier.width // s))
     dev = topology.device
     peak = dev.peak_flops["bfloat16"]
-    return cm.matmul_time_s(work.flops, peak, work.flops / 60, eff.matmul_max_for(dev.name), eff.matmul_half_flops)
+    return cm.matmul_time_s(work.flops, peak, work.flops / work.calls, eff.matmul_max_for(dev.name),
+                            eff.matmul_half_flops)
 
 
 def _memory_bytes(config, profile: VideoProfile, layout: VideoLayout, cached: bool) -> float:

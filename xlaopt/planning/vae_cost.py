@@ -29,6 +29,7 @@ _OUT = 12  # 3 RGB channels x a 2x2 patch
 class DecoderWork:
     flops: float
     by_level: dict  # name -> FLOPs
+    calls: int  # conv and attention matmuls run: each layer's once per latent frame (decoded one at a time)
 
     @property
     def largest(self) -> str:
@@ -59,4 +60,7 @@ def decoder_flops(latent_frames: int, latent_h: int, latent_w: int) -> DecoderWo
             work += 2 * t * h * w * 9 * cout * cout
         levels[f"level{i}"] = work
     levels["head"] = 2 * t * h * w * _K3 * _WIDTHS[-1] * _OUT
-    return DecoderWork(float(sum(levels.values())), {k: float(v) for k, v in levels.items()})
+    widths = list(zip(_WIDTHS, _WIDTHS[1:]))
+    per_frame = (1 + 2 * 2 + 2  # conv_in; the middle's two blocks and its attention (projections, QK^T and PV)
+                 + sum(2 * _BLOCKS + (cin != cout) + len(up) for (cin, cout), up in zip(widths, _UP)) + 1)
+    return DecoderWork(float(sum(levels.values())), {k: float(v) for k, v in levels.items()}, per_frame * latent_frames)
