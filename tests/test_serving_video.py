@@ -42,6 +42,9 @@ def test_the_vae_decoder_is_counted_conv_by_conv():
                 + rb(512, 256, 64) + 2 * rb(256, 256, 64)                                    # level 3
                 + 2 * 64 * k3 * 256 * 12)                                                     # head
     assert decoder_flops(1, 1, 1).flops == expected
+    # Calls a latent frame: conv_in 1, middle 4 + attention 2, levels 8, 8, 8 and 7 (six block
+    # convs each, the two width changes' shortcuts, five upsampling convs in time or space), head 1.
+    assert decoder_flops(1, 1, 1).calls == 39 and decoder_flops(48, 45, 80).calls == 39 * 48
     # A clip: time doubles twice (48 latent frames decode to 189), the full-resolution levels dominate.
     clip = decoder_flops(48, 45, 80)
     assert clip.largest == "level2" and 3.0e15 < clip.flops < 3.5e15
