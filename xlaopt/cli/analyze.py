@@ -94,6 +94,10 @@ def _serving(request: AnalyzeRequest, config, layout, topology) -> int:
     else:
         from xlaopt.planning.serving_video_step import analyze_video, format_video_step
 
+        if rows is not None:
+            raise UserError("--global-batch with --serve video: a request is one clip (its guidance branches are "
+                            "two rows); drop --global-batch")
+
         result = analyze_video(config, layout.mesh, layout.rules, topology, request.target, asked.profile(),
                                asked.prompt_cache, dtype)
         print(format_video_step(result))

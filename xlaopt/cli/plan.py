@@ -213,6 +213,9 @@ def _video(request: PlanRequest) -> int:
 
     if request.model is None:
         raise UserError("--model is required")
+    if request.global_batch.global_batch is not None:
+        raise UserError("--global-batch with --serve video: a request is one clip, and data replicas serve more "
+                        "of them at once (the table's videos a minute); drop --global-batch")
     config = programs.config_of(request.model, request.overrides)
     topology = parse_topology(request.topology)
     profile = request.serving.profile()
