@@ -18,7 +18,8 @@ def register(sub) -> None:
                         "output); its model is the one it was saved from")
     p.add_argument("--ckpt-step", type=int, default=None, metavar="N", help="the checkpoint's step (default: newest)")
     p.add_argument("--mesh", default="", help="mesh axes, e.g. tensor=2 or data=2,tensor=2: parameters as training "
-                                              "lays them out, rows over data/fsdp (context parallel: not yet)")
+                                              "lays them out, rows over data/fsdp (with guidance each branch on its own group: "
+                                              "CFG parallel); video: context splits each row's positions (Ulysses)")
     p.add_argument("--layout", default=None, metavar="FILE", help="a layout file instead of --mesh (e.g. from "
                                                                    "`plan --serve`; its execution applies)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: the layout's, else float32)")
