@@ -141,3 +141,15 @@ def test_a_serving_steps_cudnn_attention_gets_its_flops_by_name_scope():
     assert fused_attention_flops(hlo, heads=8, head_dim=32, rows=2) == {
         fused_tag(180, 244): {FORWARD_TARGET: 4.0 * 8 * 32 * 2 * 180 * 244}}
     assert fused_attention_flops("no attention here", 8, 32, 2) == {}
+
+
+def test_a_video_step_compiles_for_b200(tmp_path):
+    """The B200 target config (sm_100) compiles a guided step deviceless, cuDNN attention included,
+    as the published B200 rows are priced in BENCHMARKS.md."""
+    pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
+    out = tmp_path / "b200.json"
+    assert main(["analyze", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--topology", "b200:1x2", "--mesh",
+                 "data=2", "--target", "gpu", "--serve", "video", "--resolution", "256p", "--frames", "5", "--steps",
+                 "2", "--prompt-tokens", "16", "--negative-tokens", "8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["target"] == "gpu" and r["cached"]["step_time_s"] > 0 and r["layout"] == "cfg2"
