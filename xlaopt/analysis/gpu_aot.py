@@ -28,8 +28,9 @@ _SPECS = {
     "h100gt": ((9, 0), 132, 1.98, 2_400_000_000_000, 96 * 2**30, 50 * 2**20, 233472, 232448, "NVIDIA H100 96GB HBM2e"),
     # H200 SXM 141GB: GH100 die with 4.8 TB/s HBM3e.
     "h200": ((9, 0), 132, 1.98, 4_800_000_000_000, 141 * 10**9, 50 * 2**20, 233472, 232448, "NVIDIA H200"),
-    # B200 (HGX/DGX, 1,000 W): 148 SMs, 1.965 GHz boost, 8 TB/s HBM3e, 180 GB, 126 MB L2, Hopper's
-    # 228 KB of shared memory per SM.
+    # B200 (HGX/DGX, 1,000 W): 148 SMs (two dies of 74), 8 TB/s HBM3e and 180 GB as topology.py's
+    # preset; the 1.965 GHz boost and 126 MB L2 are as commonly reported, not from a datasheet
+    # (XLA reads them for fusion and tiling choices, not for time); Hopper's 228 KB shared memory per SM.
     "b200": ((10, 0), 148, 1.965, 8_000_000_000_000, 180 * 10**9, 126 * 2**20, 233472, 232448, "NVIDIA B200"),
     # A100 SXM 80GB: 108 SMs, 1.41 GHz boost, 2.039 TB/s HBM2e, 40 MB L2, 164 KB shared memory per SM.
     "a100": ((8, 0), 108, 1.41, 2_039_000_000_000, 80 * 2**30, 40 * 2**20, 167936, 166912, "NVIDIA A100-SXM4-80GB"),
