@@ -109,32 +109,36 @@ def price_decode(config, request: Request, dp: int, tp: int, topology: Topology,
                         sum(memory.values()), memory, request.rows / step)
 
 
+def tower_forward_s(config, tokens: float, pairs: float, split: int, topology: Topology,
+                    eff: cm.Efficiency) -> tuple[float, float]:
+    """(matmul s, attention s) of a tower's forward over `tokens` tokens whose attention computes
+    `pairs` (query, key) pairs, every layer's work split `split` ways (tensor x Ulysses): the
+    matmuls on the size curve at the mean of a layer's seven projections, the fused attention at
+    its fraction of peak (`costmodel.serving_efficiency` for a serving step: forward only)."""
+    dev, L = topology.device, config.num_layers
+    peak = dev.peak_flops["bfloat16"]
+    lin = 2 * tokens * _layer_params(config) * L / split
+    att = 4 * config.num_heads * config.head_dim * pairs * L / split
+    return (cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops),
+            cm.attention_time_s(att, peak, eff))
+
+
 def price_denoise(config, request: Request, dp: int, tp: int, topology: Topology, eff: cm.Efficiency) -> ServingPrice:
     """A generator step over `gen` tokens a row, queries over `text + gen` keys; uncached, the
     reasoner's `text` tokens through their own tower (causal attention) every step as well."""
-    dev, L = topology.device, config.num_layers
-    rows = request.rows / dp
-    peak = dev.peak_flops["bfloat16"]
-    mm_max, half = eff.matmul_max_for(dev.name), eff.matmul_half_flops
-    hk = config.num_heads * config.head_dim
-
-    def tower_s(tokens: float, pairs: float) -> tuple[float, float]:
-        lin = 2 * tokens * _layer_params(config) / tp
-        return (cm.matmul_time_s(lin, peak, lin / 4, mm_max, half),
-                cm.attention_time_s(4 * hk / tp * pairs, peak, eff))
-
+    L, rows = config.num_layers, request.rows / dp
     T, V = request.text, request.gen
-    gen_lin, gen_att = tower_s(rows * V, rows * V * (T + V))
-    reasoner_lin, reasoner_att = tower_s(rows * T, rows * T * (T + 1) / 2)
-    comm_gen = _tp_all_reduces(rows * V, config, tp, topology, eff)
-    comm_all = _tp_all_reduces(rows * (T + V), config, tp, topology, eff)
+    gen_lin, gen_att = tower_forward_s(config, rows * V, rows * V * (T + V), tp, topology, eff)
+    reasoner_lin, reasoner_att = tower_forward_s(config, rows * T, rows * T * (T + 1) / 2, tp, topology, eff)
+    comm_gen = L * _tp_all_reduces(rows * V, config, tp, topology, eff)
+    comm_all = L * _tp_all_reduces(rows * (T + V), config, tp, topology, eff)
     weights = _BF16 * 2 * _layer_params(config) / tp  # both towers stay resident
     cache = rows * T * 2 * _kv_heads_per_rank(config, tp) * config.head_dim * _BF16
-    cached = L * (gen_lin + gen_att + comm_gen)
-    uncached = L * (gen_lin + gen_att + reasoner_lin + reasoner_att + comm_all)
+    cached = gen_lin + gen_att + comm_gen
+    uncached = gen_lin + gen_att + reasoner_lin + reasoner_att + comm_all
     memory = {"weights": L * weights + 2 * _BF16 * config.d_model * config.vocab_size / tp, "kv_cache": L * cache,
               "activations": 8 * rows * V * max(config.d_model, config.mlp_dim / tp) * _BF16}
-    return ServingPrice(dp, tp, cached, {"layers": L * (gen_lin + gen_att), "tp_collectives": L * comm_gen},
+    return ServingPrice(dp, tp, cached, {"layers": gen_lin + gen_att, "tp_collectives": comm_gen},
                         sum(memory.values()), memory, request.rows / cached, uncached_step_s=uncached)
 
 

@@ -35,6 +35,7 @@ from xlaopt.analysis.topology import Topology
 from xlaopt.errors import UserError
 from xlaopt.inference.video_profile import VideoProfile
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+from xlaopt.planning.serving import tower_forward_s
 from xlaopt.planning.shapes import tower_shape
 from xlaopt.planning.vae_cost import decoder_flops
 
@@ -78,34 +79,25 @@ class VideoPrice:
 def _branch_step(config, text: int, gen: int, cached: bool, layout: VideoLayout, topology: Topology,
                  eff: cm.Efficiency) -> dict:
     """One branch's forward on one device of its group: matmuls, attention and its collectives."""
-    dev, L = topology.device, config.num_layers
-    tp, sp = layout.tp, layout.sp
-    peak = dev.peak_flops["bfloat16"]
-    hk = config.num_heads * config.head_dim
+    L, tp, sp = config.num_layers, layout.tp, layout.sp
     tokens = gen + (0 if cached else text)  # through a tower this step
-    lin = 2 * tokens * tower_shape(config).layer_params * L / (tp * sp)
     pairs = gen * (text + gen) + (0 if cached else text * (text + 1) / 2)
-    att = 4 * hk * pairs * L / (tp * sp)
+    matmuls, attention = tower_forward_s(config, tokens, pairs, tp * sp, topology, eff)
     local = tokens / sp
     tp_span = cm.group_span(tp, 1, topology.devices_per_node)
     sp_span = cm.group_span(sp, tp, topology.devices_per_node)
     kv_heads = max(config.num_kv_heads / tp, 1.0)
-    a2a_bytes = local * (2 * hk / tp + 2 * kv_heads * config.head_dim) * _BF16
-    return {"matmuls": cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops),
-            "attention": cm.attention_time_s(att, peak, eff),
+    a2a_bytes = local * (2 * config.num_heads * config.head_dim / tp + 2 * kv_heads * config.head_dim) * _BF16
+    return {"matmuls": matmuls, "attention": attention,
             "tp": L * 2 * cm.collective_time_s("all-reduce", local * config.d_model * _BF16, tp_span, topology, eff),
             "sp": L * cm.collective_time_s("reduce-scatter", a2a_bytes, sp_span, topology, eff)}
 
 
 def _prompt_once(config, texts: tuple[int, ...], layout: VideoLayout, topology: Topology, eff: cm.Efficiency) -> float:
     """The cached sampler's one reasoner pass a prompt (both branches' texts on one group without cfg)."""
-    dev, L = topology.device, config.num_layers
-    peak = dev.peak_flops["bfloat16"]
     per_group = texts if layout.cfg == 1 else (max(texts),)
-    lin = sum(2 * t * tower_shape(config).layer_params * L for t in per_group) / (layout.tp * layout.sp)
-    att = sum(2 * config.num_heads * config.head_dim * t * t * L for t in per_group) / (layout.tp * layout.sp)
-    return (cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops)
-            + cm.attention_time_s(att, peak, eff))
+    return sum(sum(tower_forward_s(config, t, t * (t + 1) / 2, layout.tp * layout.sp, topology, eff))
+               for t in per_group)
 
 
 def vae_decode_s(config, profile: VideoProfile, topology: Topology, eff: cm.Efficiency) -> float:
