@@ -73,9 +73,8 @@ def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: st
     text = compiled.as_text()
     cpu = target == "cpu"
     sim = simulate(build_schedule(text, custom_call_flops=custom_call_flops), topology.placed(spec.placement()),
-                   spec.as_dict(),
-                   eff=serving_efficiency(topology), matmul_dtype=dtype if cpu else None, cpu_fixups=cpu,
-                   keep_timeline=False)
+                   spec.as_dict(), eff=serving_efficiency(topology), matmul_dtype=dtype if cpu else None,
+                   cpu_fixups=cpu, keep_timeline=False)
     memory = compiled.memory_analysis()
     return {"step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
             "exposed_comm_s": sim.exposed_comm_s,
