@@ -113,13 +113,14 @@ def tower_forward_s(config, tokens: float, pairs: float, split: int, topology: T
                     eff: cm.Efficiency) -> tuple[float, float]:
     """(matmul s, attention s) of a tower's forward over `tokens` tokens whose attention computes
     `pairs` (query, key) pairs, every layer's work split `split` ways (tensor x Ulysses): the
-    matmuls on the size curve at the mean of a layer's seven projections, the fused attention at
-    its fraction of peak (`costmodel.serving_efficiency` for a serving step: forward only)."""
+    matmuls on the size curve as four launches a layer (qkv, out, MLP up and gate, MLP down: the
+    split the training fit's `matmul_half_flops` was fitted with, `analysis.analytic`), the fused
+    attention at its fraction of peak (`costmodel.serving_efficiency` for a serving step: forward only)."""
     dev, L = topology.device, config.num_layers
     peak = dev.peak_flops["bfloat16"]
     lin = 2 * tokens * _layer_params(config) * L / split
     att = 4 * config.num_heads * config.head_dim * pairs * L / split
-    return (cm.matmul_time_s(lin, peak, lin / (7 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops),
+    return (cm.matmul_time_s(lin, peak, lin / (4 * L), eff.matmul_max_for(dev.name), eff.matmul_half_flops),
             cm.attention_time_s(att, peak, eff))
 
 
