@@ -92,11 +92,16 @@ class VideoProfile:
     def guided(self) -> bool:
         return self.guidance != 1.0
 
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(latent frames, height, width) of the VAE's latent, before patching (what it decodes)."""
+        s = self.vae.spatial
+        return (1 + (self.frames - 1) // self.vae.temporal, math.ceil(self.tier.height / s),
+                math.ceil(self.tier.width / s))
+
     def latent_grid(self, patch: int) -> tuple[int, int, int]:
         """(latent frames, token rows, token columns): the latent padded up to whole patches."""
-        s = self.vae.spatial
-        return (1 + (self.frames - 1) // self.vae.temporal, math.ceil(self.tier.height / s / patch),
-                math.ceil(self.tier.width / s / patch))
+        t, h, w = self.latent_shape()
+        return t, math.ceil(h / patch), math.ceil(w / patch)
 
     def gen_tokens(self, patch: int) -> int:
         return math.prod(self.latent_grid(patch))

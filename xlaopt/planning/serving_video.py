@@ -102,9 +102,7 @@ def _prompt_once(config, texts: tuple[int, ...], layout: VideoLayout, topology: 
 
 def vae_decode_s(config, profile: VideoProfile, topology: Topology, eff: cm.Efficiency) -> float:
     """The decode on one device: its convolutions as matmuls of their mean size (`vae_cost`)."""
-    t, _, _ = profile.latent_grid(config.patch_size)
-    s = profile.vae.spatial
-    work = decoder_flops(t, -(-profile.tier.height // s), -(-profile.tier.width // s))
+    work = decoder_flops(*profile.latent_shape())
     dev = topology.device
     peak = dev.peak_flops["bfloat16"]
     return cm.matmul_time_s(work.flops, peak, work.flops / work.calls, eff.matmul_max_for(dev.name),
@@ -238,9 +236,13 @@ def format_video(config, topology: Topology, profile: VideoProfile, ranked: list
     return "\n".join(lines)
 
 
+def request_report(config, profile: VideoProfile) -> dict:
+    return {**dataclasses.asdict(profile), "gen_tokens": profile.gen_tokens(config.patch_size),
+            "latent_grid": profile.latent_grid(config.patch_size)}
+
+
 def report(config, profile: VideoProfile, ranked: list[VideoPrice]) -> dict:
-    return {"request": {**dataclasses.asdict(profile), "gen_tokens": profile.gen_tokens(config.patch_size),
-                        "latent_grid": profile.latent_grid(config.patch_size)},
+    return {"request": request_report(config, profile),
             "includes": ["prompt (cached sampler: once)", "denoising steps, both guidance branches", "VAE decode"],
             "excludes": ["tokenizing the prompt", "encoding and writing the video"],
             "candidates": [{"layout": dataclasses.asdict(p.layout), "mesh": p.layout.mesh.as_dict(),

@@ -38,7 +38,7 @@ def analyze_video(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: Top
     analytic = sv.price_video(config, profile, layout, topology, eff, cached)
     parts = {"steps": profile.steps * step[which]["step_time_s"], "prompt": analytic.parts["prompt"],
              "vae": analytic.parts["vae"]}
-    return {**step, "mode": "video", "request": sv.report(config, profile, [])["request"], "sampler": which,
+    return {**step, "mode": "video", "request": sv.request_report(config, profile), "sampler": which,
             "layout": layout.name, "seconds_per_video": sum(parts.values()), "parts": parts,
             "analytic": {"seconds_per_video": analytic.seconds, "step_s": analytic.step_s, "parts": analytic.parts}}
 
