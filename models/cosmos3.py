@@ -31,6 +31,9 @@ from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.stack import LayerStack, StackSpec
 
 PAD, VIDEO, ACTION, SOUND = 0, 1, 2, 3
+# What NVIDIA's vision fine-tuning trains (the reasoner frozen): the generator tower, its final
+# norm, and its inputs and outputs (vae2llm, llm2vae, the time embedder, actions, sound).
+GENERATOR_SET = ("generator_io/", "generator_final_norm/", "layers/generator/")
 MODALITY_NAMES = {VIDEO: "video", ACTION: "action", SOUND: "sound"}
 
 

@@ -9,7 +9,10 @@ their sample, reasoner queries see a causal half of N_r:
             + 2*d*E*N_r (LM head) + generator input/output projections and timestep MLP.
 
 Training counts 3x forward (MaxText's convention: recomputation under remat is not model
-work). Padding is not model work either, so a batch's FLOPs follow its real samples.
+work). Padding is not model work either, so a batch's FLOPs follow its real samples. With the
+reasoner frozen (`TrainSettings.trainable="generator"`) nothing upstream of a reasoner token is
+trained, so its backward is not model work: the step is the whole forward plus twice the
+generator's part of it.
 """
 from __future__ import annotations
 
@@ -31,23 +34,35 @@ def forward_flops(c: Cosmos3Config, n_reasoner: np.ndarray, n_generator: np.ndar
     `generator_width` is the raw channel count of each sample's generator modality
     (default: the video patch width); `n_noisy` defaults to all generator tokens.
     """
+    return sum(forward_flops_by_tower(c, n_reasoner, n_generator, n_noisy, generator_width))
+
+
+def forward_flops_by_tower(c: Cosmos3Config, n_reasoner, n_generator, n_noisy=None,
+                           generator_width=None) -> tuple[np.ndarray, np.ndarray]:
+    """`forward_flops` as (the reasoner's part, the generator's part): each tower's linears, the
+    attention its queries run, and its inputs and outputs (the LM head; the generator's IO)."""
     n_r = np.asarray(n_reasoner, np.float64)
     n_g = np.asarray(n_generator, np.float64)
     n_noisy = n_g if n_noisy is None else np.asarray(n_noisy, np.float64)
     width = c.latent_patch_dim if generator_width is None else np.asarray(generator_width, np.float64)
     L, H, dh, d = c.num_layers, c.num_heads, c.head_dim, c.d_model
-    layers = 2 * L * layer_weights_per_tower(c) * (n_r + n_g)
-    attention = L * (4 * H * dh * n_g * (n_r + n_g) + 2 * H * dh * n_r**2)
-    lm_head = 2 * d * c.vocab_size * n_r
-    generator_io = 4 * d * width * n_g + 2 * (c.timestep_freq_dim * d + d * d) * n_noisy
-    return layers + attention + lm_head + generator_io
+    per_token = 2 * L * layer_weights_per_tower(c)
+    reasoner = per_token * n_r + L * 2 * H * dh * n_r**2 + 2 * d * c.vocab_size * n_r
+    generator = (per_token * n_g + L * 4 * H * dh * n_g * (n_r + n_g) + 4 * d * width * n_g
+                 + 2 * (c.timestep_freq_dim * d + d * d) * n_noisy)
+    return reasoner, generator
 
 
-def train_flops(c: Cosmos3Config, n_reasoner, n_generator, **kw) -> np.ndarray:
-    return 3.0 * forward_flops(c, n_reasoner, n_generator, **kw)
+def train_flops(c: Cosmos3Config, n_reasoner, n_generator, trainable: str = "all", **kw) -> np.ndarray:
+    reasoner, generator = forward_flops_by_tower(c, n_reasoner, n_generator, **kw)
+    if trainable == "all":
+        return 3.0 * (reasoner + generator)
+    if trainable == "generator":
+        return reasoner + 3.0 * generator
+    raise ValueError(f"trainable={trainable!r}: Cosmos 3 trains all or generator")
 
 
-def batch_train_flops(c: Cosmos3Config, batch: dict[str, np.ndarray]) -> float:
+def batch_train_flops(c: Cosmos3Config, batch: dict[str, np.ndarray], trainable: str = "all") -> float:
     """Model FLOPs of one training step on a packed batch (padding excluded)."""
     from xlaopt.models.cosmos3 import ACTION, SOUND, VIDEO
 
@@ -62,5 +77,5 @@ def batch_train_flops(c: Cosmos3Config, batch: dict[str, np.ndarray]) -> float:
         n_noisy = np.bincount(gen_seg[row], weights=batch["gen_noisy_BV"][row], minlength=n)[1:]
         width_sum = np.bincount(gen_seg[row], weights=widths[batch["gen_modality_BV"][row]], minlength=n)[1:]
         width = np.divide(width_sum, n_g, out=np.zeros_like(width_sum), where=n_g > 0)
-        total += float(np.sum(train_flops(c, n_r, n_g, n_noisy=n_noisy, generator_width=width)))
+        total += float(np.sum(train_flops(c, n_r, n_g, trainable, n_noisy=n_noisy, generator_width=width)))
     return total

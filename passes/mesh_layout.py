@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec
 from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
 from xlaopt.sharding import RuleUse, logical_to_spec
-from xlaopt.step import batch_spec, make_optimizer
+from xlaopt.step import batch_spec, make_optimizer, trained_part
 from xlaopt.transforms.hierarchical_grads import path_name
 
 
@@ -39,9 +39,10 @@ class MeshLayout(Pass):
             for (path, leaf), axes in zip(flat_params, flat_logical)])
 
         state = ctx.cache.abstract_state(program)
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         opt_specs = optax.tree_map_params(make_optimizer(program.settings), lambda _, spec: spec, state.opt_state,
-                                          param_specs, transform_non_params=lambda _: PartitionSpec(),
-                                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+                                          trained_part(program, param_specs, is_leaf=is_spec),
+                                          transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)
         batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)
                        for name, (shape, _, axes) in batch_spec(program).items()}
         # Checked as compiling constrains them: inside a rewrite's shard_map (hierarchical-grads' over

@@ -138,7 +138,7 @@ def check_pass(program, topology=None, options=None, *, reference: bool = True, 
 LONGEST_FILES = (
     "test_faults.py", "test_verify.py", "test_plan.py", "test_hierarchical_grads.py", "test_cli.py", "test_ulysses.py",
     "test_hlo.py", "test_analyze.py", "test_stack.py", "test_checkpoint_train.py", "test_checkpoint_process.py",
-    "test_remat.py", "test_layout.py", "test_pipeline_parallel.py", "test_train_process.py", "test_api.py", "test_sequence_parallel.py",
+    "test_remat.py", "test_layout.py", "test_pipeline_parallel.py", "test_train_process.py", "test_api.py", "test_trainable.py", "test_sequence_parallel.py",
     "test_resnet.py", "test_attention.py", "test_attention_work.py", "test_pipeline.py", "test_vit.py",
     "test_sample_cosmos.py", "test_collective_matmul.py", "test_loss_scale.py", "test_generate_sharded.py",
     "test_loader.py",

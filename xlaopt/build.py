@@ -72,12 +72,12 @@ def default_execution(layout: Layout, target: str, config) -> ExecutionConfig:
 def build_program(config, layout: Layout | None = None, batch: BatchShape | None = None,
                   execution: ExecutionConfig | None = None, *, seed: int = 0, learning_rate: float | None = None,
                   nonfinite: str | None = None, target: str = "cpu",
-                  compiler_options: CompilerOptions | dict | None = None) -> TrainProgram:
+                  compiler_options: CompilerOptions | dict | None = None, trainable: str = "all") -> TrainProgram:
     """The program of a model config on a layout (default: one device), with the batch (default:
     the family's) and the execution (default: `default_execution`); `learning_rate` and
-    `nonfinite` replace `TrainSettings`' own where given."""
+    `nonfinite` replace `TrainSettings`' own where given; `trainable` as `TrainSettings.trainable`."""
     layout = layout or Layout(MeshSpec())
-    settings = TrainSettings(batch=batch or family_of(config).default_batch(config), seed=seed)
+    settings = TrainSettings(batch=batch or family_of(config).default_batch(config), seed=seed, trainable=trainable)
     if learning_rate is not None:
         settings = dataclasses.replace(settings, learning_rate=learning_rate)
     if nonfinite is not None:

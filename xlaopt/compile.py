@@ -31,7 +31,7 @@ from xlaopt.models.cudnn_attention import check_rows
 from xlaopt.models.layers import activation_constraint, heads_split_over, manual_axes, rows_split_over
 from xlaopt.program import TrainProgram
 from xlaopt.sharding import batch_axes, head_axes, logical_to_spec
-from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn
+from xlaopt.step import abstract_state, batch_spec, build_init, build_train_step, first_step_grad_fn, trained_part
 from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform
 
 # Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
@@ -70,7 +70,7 @@ class CompiledProgram:
                                   out_shardings=(self.state_shardings, None))
         self._grads_jit = jax.jit(first_step_grad_fn(program),
                                   in_shardings=(self.state_shardings.params, self.batch_shardings, key_sh),
-                                  out_shardings=(None, None, self.state_shardings.params))
+                                  out_shardings=(None, None, trained_part(program, self.state_shardings.params)))
         self._init_jit = jax.jit(build_init(program), out_shardings=self.state_shardings)
         # What XLA logged while compiling this program's functions, as one line a kind of trouble
         # (`xlaopt.compiler.log`): a command reports them beside its answer.

@@ -49,6 +49,26 @@ class Family:
     # step's metrics, whose entries it consumes: (config, state, metrics) -> (state, metrics).
     init_state: Callable = lambda variables: None
     update_state: Callable | None = None
+    # Named subsets of the parameters a run may train alone, the rest frozen (`TrainSettings.
+    # trainable`): (name, parameter path prefixes) pairs; "all" is every family's default.
+    trainable_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def trainable_prefixes(self, name: str) -> tuple[str, ...] | None:
+        """The path prefixes of set `name` ("all": None, every parameter); a KeyError for a name
+        the family does not have."""
+        return None if name == "all" else dict(self.trainable_sets)[name]
+
+    def step_flops(self, program, batch: dict[str, np.ndarray]) -> float:
+        """Model FLOPs of `program`'s training step on a host batch, frozen parameters' backward
+        left out (`TrainSettings.trainable`)."""
+        trainable = program.settings.trainable
+        if trainable == "all":
+            return self.train_flops(program.model, batch)
+        return self.train_flops(program.model, batch, trainable=trainable)
+
+    @property
+    def trainable_names(self) -> tuple[str, ...]:
+        return ("all",) + tuple(name for name, _ in self.trainable_sets)
 
     @property
     def has_layer_stack(self) -> bool:
@@ -85,7 +105,8 @@ FAMILIES = {
     "cosmos3": Family("cosmos3", _module(cosmos3.Cosmos3), cosmos3_batch_spec, objective.loss_fn, flops.batch_train_flops,
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
                       lambda c: BatchShape(8, 56, 104), towers=2, decodes_text=True, generates_video=True,
-                      packs_samples=True, draws=objective.draws, draw_axes=objective.DRAW_AXES),
+                      packs_samples=True, draws=objective.draws, draw_axes=objective.DRAW_AXES,
+                      trainable_sets=(("generator", cosmos3.GENERATOR_SET),)),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0),
                       decodes_text=True),

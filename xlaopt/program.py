@@ -47,6 +47,10 @@ class TrainSettings:
     # it reports `nonfinite` (the training loop stops before saving such a state); "skip": such
     # a step leaves the state as it was (`skipped`), as float16's loss scaling does on overflow.
     nonfinite: str = "none"
+    # Which parameters the step trains, by the family's set name (`Family.trainable_sets`); the
+    # rest are frozen: no gradient is computed for them, they have no optimizer state, and the
+    # step leaves them as they are. "all" trains everything.
+    trainable: str = "all"
 
     def __post_init__(self):
         if self.nonfinite not in NONFINITE:
@@ -128,6 +132,10 @@ class TrainProgram:
             self._check_cudnn_sequence()
         self.execution.check_batch(self.settings.batch.batch_size)
         self._check_pipeline()
+        family = family_of(self.model)
+        if self.settings.trainable not in family.trainable_names:
+            raise UserError(f"trainable={self.settings.trainable!r}: the {family.name} family's parameter sets are "
+                            f"{', '.join(family.trainable_names)}")
         for kind, transforms, base in (("grad", self.grad_transforms, GradTransform),
                                        ("HLO", self.hlo_transforms, HloTransform)):
             for t in transforms:

@@ -25,6 +25,26 @@ from xlaopt.mesh import MESH_AXES
 from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
+from xlaopt.transforms.hierarchical_grads import path_name
+
+
+def trained_part(program: TrainProgram, tree, is_leaf=None):
+    """`tree` (shaped as the parameters: values, specs, shardings) with the leaves of the parameters
+    `TrainSettings.trainable` freezes replaced by None, an empty subtree: the tree gradients, the
+    optimizer and its state are over. Everything trained: `tree` itself."""
+    prefixes = family_of(program.model).trainable_prefixes(program.settings.trainable)
+    if prefixes is None:
+        return tree
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return treedef.unflatten([leaf if (path_name(path) + "/").startswith(prefixes) else None for path, leaf in flat])
+
+
+def with_trained(program: TrainProgram, trained, params):
+    """`params` with the leaves of `trained` (a `trained_part` of them) in place of their own."""
+    if family_of(program.model).trainable_prefixes(program.settings.trainable) is None:
+        return trained
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef.unflatten([p if t is None else t for t, p in zip(treedef.flatten_up_to(trained), leaves)])
 
 
 def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
@@ -74,26 +94,20 @@ def base_grad_fn(program: TrainProgram, scale=None):
     """(params, batch with its draws, key) -> (loss, metrics, grads) (see `Family.draws`).
     With a loss `scale` (a scalar, traced or not) the loss is multiplied by it before it is
     differentiated and the fp32 gradients divided by it: the loss and gradients returned are
-    the unscaled ones, and only the compute-dtype cotangents in between are scaled."""
+    the unscaled ones, and only the compute-dtype cotangents in between are scaled.
+    The gradients are of the trained parameters only (`trained_part`): the frozen ones enter the
+    loss as constants, so autodiff leaves out every backward that reaches no trained parameter."""
     model, loss_fn = model_loss(program)
 
     def grad_fn(params, batch, key):
-        (loss, metrics), grads = jax.value_and_grad(functools.partial(loss_fn, model), has_aux=True)(
-            params, batch, key)
-        return loss, metrics, grads
+        def scaled_loss(trained):
+            loss, metrics = loss_fn(model, with_trained(program, trained, params), batch, key)
+            return (loss if scale is None else loss * scale), (loss, metrics)
 
-    if scale is None:
-        return grad_fn
+        (_, (loss, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trained_part(program, params))
+        return loss, metrics, (grads if scale is None else jax.tree.map(lambda g: g / scale, grads))
 
-    def scaled_grad_fn(params, batch, key):
-        def scaled_loss(p):
-            loss, metrics = loss_fn(model, p, batch, key)
-            return loss * scale, (loss, metrics)
-
-        (_, (loss, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params)
-        return loss, metrics, jax.tree.map(lambda g: g / scale, grads)
-
-    return scaled_grad_fn
+    return grad_fn
 
 
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
@@ -163,8 +177,9 @@ def build_train_step(program: TrainProgram):
         model_state = state.model_state
         if family.update_state is not None:
             model_state, metrics = family.update_state(program.model, model_state, metrics)
-        updates, opt_state = opt.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trained = trained_part(program, state.params)
+        updates, opt_state = opt.update(grads, state.opt_state, trained)
+        params = with_trained(program, optax.apply_updates(trained, updates), state.params)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         check = program.settings.nonfinite
         if not scaled and check != "skip":
@@ -205,7 +220,8 @@ def build_init(program: TrainProgram):
         batch = {k: jnp.zeros(s, d) for k, (s, d, _) in batch_spec(program).items()}
         variables = model.init(key, batch)
         params = nn.meta.unbox(variables["params"])
-        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(params), loss_scale.initial(program.execution),
+        return TrainState(jnp.zeros((), jnp.int32), params, opt.init(trained_part(program, params)),
+                          loss_scale.initial(program.execution),
                           family.init_state(variables))
 
     return init

@@ -145,5 +145,5 @@ def batch_work(program: TrainProgram, batch: dict[str, np.ndarray]) -> BatchWork
             fused[fused_tag(L, S)], mean_fused[fused_tag(L, S)] = _fused_flops(busiest, program), _fused_flops(mean, program)
         else:
             executed += float(B * L * S)
-    return BatchWork(fill, float(family.train_flops(program.model, batch)), needed,
+    return BatchWork(fill, float(family.step_flops(program, batch)), needed,
                      None if impl == "io_only" else executed, trips, mean_trips, fused, mean_fused)

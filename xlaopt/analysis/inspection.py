@@ -31,7 +31,7 @@ def inspect_program(program: TrainProgram, topology=None) -> dict:
                                     "outputs": memory.output_size_in_bytes,
                                     "aliased": memory.alias_size_in_bytes,
                                     "temp": memory.temp_size_in_bytes},
-        "model_flops_per_step": family.train_flops(program.model, batch),
+        "model_flops_per_step": family.step_flops(program, batch),
         "comm_by_axis": bytes_by(colls, lambda c: ",".join(c.mesh_axes) or "-"),
         "collective_groups": sorted(groups.values(), key=lambda g: -g["bytes_per_step"]),
         "collectives": [{"name": c.name, "kind": c.kind, "computation": c.computation, "position": c.position,

@@ -47,6 +47,9 @@ def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.add_argument("--text-len", type=int, default=None, help="text (reasoner) tokens per packed row")
     p.add_argument("--gen-len", type=int, default=None, help="generator tokens per packed row (Cosmos 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainable", default="all", metavar="SET",
+                   help="which parameters train, the rest frozen (no gradients, no optimizer state): all (default), "
+                        "or a set the model family names (Cosmos 3: generator, NVIDIA's vision fine-tuning set)")
     p.add_argument("--passes", default=None, help="run only these passes (comma-separated, pipeline order)")
     p.add_argument("--disable", default="", help="skip these passes (comma-separated)")
     p.add_argument("--dump-hlo", default=None, metavar="DIR",

@@ -77,6 +77,7 @@ def program(request: ProgramRequest, config, layout: Layout, batch: BatchShape, 
     base = dataclasses.replace(default_execution(layout, target, config), compute_dtype=compute_dtype(request, layout))
     return build_program(config, layout, batch, parse_execution(request.execution_settings, base),
                          seed=request.seed, learning_rate=learning_rate, nonfinite=nonfinite, target=target,
+                         trainable=request.trainable,
                          compiler_options=CompilerOptions.parse(request.xla_options))
 
 

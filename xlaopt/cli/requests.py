@@ -36,6 +36,7 @@ class ProgramRequest:
     text_len: int | None
     gen_len: int | None
     seed: int
+    trainable: str
     passes: str | None
     disable: str
     dump_hlo: str | None

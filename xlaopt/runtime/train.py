@@ -35,7 +35,7 @@ from xlaopt.step import param_count
 def _counted(program: TrainProgram, batch: dict):
     """A host batch with its real (non-padding) tokens and model FLOPs."""
     family = family_of(program.model)
-    return batch, family.real_tokens(batch), family.train_flops(program.model, batch)
+    return batch, family.real_tokens(batch), family.step_flops(program, batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ def _run_meta(program: TrainProgram, loader) -> dict:
     # `execution` is a record of how the run executed; a resume never compares it.
     return {"model": program.model.name, "config": dataclasses.asdict(program.model),
             "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
-            "execution": dataclasses.asdict(program.execution), "mesh": program.mesh.as_dict(),
+            "trainable": program.settings.trainable, "execution": dataclasses.asdict(program.execution), "mesh": program.mesh.as_dict(),
             "data": loader.state().to_json() if loader is not None else None}
 
 
@@ -66,6 +66,11 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
         if meta[key] != json.loads(json.dumps(now[key])):
             raise CheckpointError(f"{where}: saved with {key} {meta[key]}, this run has {now[key]}; an exact "
                                   f"resume needs the same {key}")
+    trained = meta.get("trainable", "all")  # checkpoints from before the setting trained everything
+    if trained != now["trainable"]:
+        raise CheckpointError(f"{where}: saved by a run training {trained!r} parameters, this run trains "
+                              f"{now['trainable']!r}; the optimizer state is of the trained ones only. Resume with "
+                              f"--trainable {trained}, or use another --ckpt directory")
 
 
 def _timed(fn, *args):

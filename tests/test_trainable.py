@@ -1,0 +1,145 @@
+"""Training a named subset of the parameters, the rest frozen (`TrainSettings.trainable`):
+Cosmos 3's generator set, as NVIDIA's vision fine-tuning trains it."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from xlaopt.compile import compile_program
+from xlaopt.data.batch import BatchShape
+from xlaopt.errors import UserError
+from xlaopt.execution import ExecutionConfig
+from xlaopt.families import family_of
+from xlaopt.mesh import MeshSpec
+from xlaopt.models.flops import forward_flops_by_tower
+from xlaopt.pipeline import pipeline, run_pipeline
+from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.runtime.verify import compare, one_step_grads
+from xlaopt.step import abstract_batch, abstract_params_with_axes, build_grad_fn, trained_part
+from xlaopt.transforms.hierarchical_grads import path_name
+
+from conftest import COSMOS3_TINY, LLAMA_TINY, needs_devices
+
+BATCH = BatchShape(4, 48, 96)
+FP32 = ExecutionConfig(compute_dtype="float32")
+
+
+def _program(trainable: str, mesh: str = "") -> TrainProgram:
+    program = TrainProgram(COSMOS3_TINY, MeshSpec.parse(mesh) if mesh else MeshSpec(),
+                           settings=TrainSettings(batch=BATCH, trainable=trainable), execution=FP32)
+    return run_pipeline(program, pipeline())[0]
+
+
+def _paths(tree) -> dict:
+    return {path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _generator(path: str) -> bool:
+    return path.startswith(("generator_io/", "generator_final_norm/", "layers/generator/"))
+
+
+@needs_devices(4)
+def test_a_frozen_reasoner_stays_put_while_the_generator_trains_on_a_mesh():
+    program = _program("generator", "fsdp=2,tensor=2")
+    compiled = compile_program(program)
+    key = jax.random.key(0)
+    state = compiled.init(key)
+    before = _paths(jax.device_get(state.params))
+    batch = compiled.put_batch(family_of(COSMOS3_TINY).synthetic(COSMOS3_TINY, BATCH, 0).batch(0))
+    for _ in range(2):  # the first step's learning rate is warm-up's 0
+        state, metrics = compiled.train_step(state, batch, key)
+    after = _paths(jax.device_get(state.params))
+    frozen = [p for p in before if not _generator(p)]
+    assert frozen and all(np.array_equal(before[p], after[p]) for p in frozen)
+    moved = [p for p in before if _generator(p) and not np.array_equal(before[p], after[p])]
+    # Every trained matrix moved (a zero-initialised bias of an unused modality may not).
+    assert {p for p in before if _generator(p) and before[p].ndim > 1} <= set(moved)
+    # AdamW keeps moments of the trained parameters only: two a trained leaf, and its counts.
+    trained = sum(_generator(p) for p in before)
+    assert len(jax.tree.leaves(state.opt_state)) == 2 * trained + 2
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_the_trained_gradients_are_those_of_training_everything_and_the_reasoner_runs_no_backward():
+    frozen, everything = one_step_grads(_program("generator")), one_step_grads(_program("all"))
+    assert set(_paths(frozen[1])) == {p for p in _paths(everything[1]) if _generator(p)}
+    assert compare(frozen, (everything[0], trained_part(_program("generator"), everything[1])), "float32")["ok"]
+
+    def dots(program):
+        params, _ = abstract_params_with_axes(program)
+        jaxpr = jax.make_jaxpr(build_grad_fn(program))(params, abstract_batch(program), jax.random.key(0))
+        return _count_dots(jaxpr.jaxpr)
+
+    # Left out with the reasoner frozen, in the layer scan's body and after it: each of the
+    # reasoner's seven projections (q, k, v, o, gate, up, down) its two backward matmuls (input
+    # and weight gradients), its dense attention's four (through softmax(QK^T) V), and the LM
+    # head's two. The generator's attention still differentiates the reasoner's keys and values.
+    assert dots(_program("all")) - dots(_program("generator")) == 7 * 2 + 4 + 2
+
+
+def _count_dots(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _count_dots(inner)
+    return total
+
+
+def test_model_flops_leave_out_the_frozen_towers_backward():
+    """MFU's model FLOPs: the whole forward, and the backward of the generator's part only."""
+    batch = family_of(COSMOS3_TINY).synthetic(COSMOS3_TINY, BATCH, 0).batch(0)
+    family = family_of(COSMOS3_TINY)
+    everything, frozen = family.step_flops(_program("all"), batch), family.step_flops(_program("generator"), batch)
+    reasoner = generator = 0.0
+    for text, gen in zip(batch["text_segment_ids_BT"], batch["gen_segment_ids_BV"]):
+        n = int(max(text.max(), gen.max())) + 1
+        r, g = forward_flops_by_tower(COSMOS3_TINY, np.bincount(text, minlength=n)[1:],
+                                      np.bincount(gen, minlength=n)[1:])
+        reasoner, generator = reasoner + float(r.sum()), generator + float(g.sum())
+    assert reasoner > 0 and generator > 0
+    # Video-only rows here: every generator token is noisy video, as the defaults assume.
+    assert everything == pytest.approx(3 * (reasoner + generator), rel=0.02)
+    assert frozen == pytest.approx(reasoner + 3 * generator, rel=0.02)
+    assert everything - frozen == pytest.approx(2 * reasoner, rel=1e-9)
+
+
+@pytest.mark.parametrize("config, name, message", [
+    (COSMOS3_TINY, "reasoner", "trainable='reasoner': the cosmos3 family's parameter sets are all, generator"),
+    (LLAMA_TINY, "generator", "trainable='generator': the decoder family's parameter sets are all"),
+])
+def test_an_unknown_set_names_the_familys_sets(config, name, message):
+    with pytest.raises(UserError, match=message):
+        TrainProgram(config, settings=dataclasses.replace(TrainSettings(), trainable=name))
+
+
+def test_a_resume_refuses_a_checkpoint_that_trained_another_set():
+    from xlaopt.checkpoint.layout import CheckpointError
+    from xlaopt.runtime.train import _check_same_run, _run_meta
+
+    meta = json.loads(json.dumps(_run_meta(_program("generator"), None)))
+    _check_same_run(meta, _program("generator"), "ckpt")  # the same set resumes
+    with pytest.raises(CheckpointError, match="saved by a run training 'generator' parameters, this run trains 'all'"
+                                              ".* Resume with --trainable generator"):
+        _check_same_run(meta, _program("all"), "ckpt")
+    del meta["trainable"]  # a checkpoint from before the setting trained everything
+    _check_same_run(meta, _program("all"), "ckpt")
+
+
+@needs_devices(8)
+def test_frozen_training_through_the_gradient_passes_equals_one_device():
+    """Hierarchical gradient sync hooks each layer's parameter gradients inside the backward loop;
+    with the reasoner's left out it still reduces the generator's and matches one device."""
+    from xlaopt.analysis.topology import parse_topology
+
+    from conftest import check_pass
+
+    program = TrainProgram(COSMOS3_TINY, MeshSpec.parse("data=4,tensor=2"), settings=TrainSettings(trainable="generator"),
+                           execution=dataclasses.replace(FP32, remat="full"))
+    _, records = check_pass(program, parse_topology("h100:2x4"))
+    assert records["hierarchical-grads"].changed
