@@ -143,3 +143,36 @@ def test_frozen_training_through_the_gradient_passes_equals_one_device():
                            execution=dataclasses.replace(FP32, remat="full"))
     _, records = check_pass(program, parse_topology("h100:2x4"))
     assert records["hierarchical-grads"].changed
+
+
+def test_the_analytic_price_drops_the_frozen_backward_and_state():
+    """The planner's price of a frozen reasoner: fp32 weights only for what is frozen, the backward
+    on the trained share (all of it frozen: the step is its forward), the optimizer and gradient
+    sync over the trained parameters."""
+    from xlaopt.analysis import analytic, costmodel as cm
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.models.registry import get_config
+    from xlaopt.planning.price import analytic_layout, price, software
+    from xlaopt.planning.shapes import analytic_shape
+    from xlaopt.planning.space import Candidate
+
+    config, h100 = get_config("cosmos3-nano"), parse_topology("h100:1x8")
+    batch, candidate = BatchShape(8, 1024, 8192), Candidate(1, 8, 1, 1, "full")
+    shapes = {t: analytic_shape(config, 4.0e7, 1 / 9, t, 0.05) for t in ("all", "generator")}
+    everything, frozen = (price(candidate, shapes[t], batch, h100, "gpu", False) for t in ("all", "generator"))
+    shape = shapes["generator"]
+    trained = shape.layers * shape.layer_params / 2  # one tower of two; the embedding and head frozen
+    assert frozen.memory_parts["state"] == pytest.approx((4 * shape.params + 8 * trained) / 8)
+    assert frozen.memory_parts["gradients"] == pytest.approx(4 * trained / 8)
+    assert everything.memory_parts["state"] == pytest.approx(12 * shape.params / 8)
+    assert frozen.breakdown.optimizer_s == pytest.approx(everything.breakdown.optimizer_s * trained / shape.params)
+    assert frozen.breakdown.compute_s < everything.breakdown.compute_s
+    assert frozen.breakdown.fsdp_exposed_s <= everything.breakdown.fsdp_exposed_s
+
+    # Nothing trained: the step's compute is the forward of every layer and of the head.
+    nothing = dataclasses.replace(shape, frozen_tokens=1.0, frozen_attention=1.0)
+    layout, sw = analytic_layout(candidate, batch), software(candidate, "gpu", shape.heads, shape.kv_heads)
+    forward = analytic._layer(shape, layout, h100, sw, cm.FITTED).fwd_s
+    head = analytic._head_s(analytic._layer(shape, layout, h100, sw, cm.FITTED), shape, layout, h100, cm.FITTED)
+    assert analytic.price_step(nothing, layout, h100, sw, cm.FITTED).compute_s == pytest.approx(
+        layout.micro_batches * (shape.layers * forward + head))

@@ -34,7 +34,13 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs m + pp - 1 ticks each way with a
   send after every tick, and the embedding, head and loss outside the stages on each stage's
   share of the rows, so they are off the pipeline's critical path and out of its bubble;
-- optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound.
+- optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
+- frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
+  the backward, its recomputation and its tensor-parallel collectives run on the trained tokens'
+  share only (the attention's on the trained queries' share), FSDP gathers and reduces only the
+  trained weights in backward, the head runs forward only when frozen, and the gradient sync and
+  the optimizer cover the trained parameters. (A frozen tower's keys and values that a trained one
+  attends to are recomputed under recomputation: left out, a few percent of a layer.)
 
 Ranks are laid out tensor innermost, then context, then data, then pipeline (Megatron's order),
 so a tensor group sits inside a node and pipeline neighbours are furthest apart. Within data, the
@@ -209,6 +215,7 @@ class _Layer:
     r_lin: float  # fraction of the linear forward recomputed in backward
     r_att: float  # fraction of the attention forward recomputed in backward
     act_bytes: float  # one activation (tokens x d_model, bf16)
+    trained: float = 1.0  # share of the tokens whose backward runs (frozen parameters: fewer)
 
 
 def _layer(shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
@@ -238,8 +245,10 @@ def _layer(shape: DecoderShape, layout: Parallelism, topology: Topology, softwar
     fwd_s = lin_s + att_s + elem_s + cast_s / 3
     # Backward: 2x forward for the linears and elementwise ops; 2.5x for flash attention, whose
     # backward recomputes QK^T (5 matmuls against 2).
-    bwd_s = 2 * (lin_s + elem_s) + 2.5 * att_s + 2 * cast_s / 3 + r_lin * lin_s + r_att * att_s + r_elem * elem_s
-    return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, r_att, tokens * shape.d_model * _BF16_BYTES)
+    trained, trained_att = 1.0 - shape.frozen_tokens, 1.0 - shape.frozen_attention
+    bwd_s = (trained * (2 * (lin_s + elem_s) + 2 * cast_s / 3 + r_lin * lin_s + r_elem * elem_s)
+             + trained_att * (2.5 + r_att) * att_s)
+    return _Layer(tokens, lin_s, att_s, fwd_s, bwd_s, r_lin, r_att, tokens * shape.d_model * _BF16_BYTES, trained)
 
 
 def _tp_exposed(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
@@ -253,7 +262,7 @@ def _tp_exposed(layer: _Layer, layout: Parallelism, topology: Topology, software
     else:
         tp_pair = cm.collective_time_s("all-reduce", layer.act_bytes, tp_span, topology, eff)
     tp_fwd = 2 * tp_pair
-    tp_bwd = 2 * tp_pair + (2 * tp_pair if layer.r_lin >= 1.0 else 0.0)
+    tp_bwd = layer.trained * (2 * tp_pair + (2 * tp_pair if layer.r_lin >= 1.0 else 0.0))
     if software.tp_overlap:
         return cm.exposed_s(tp_fwd, layer.lin_s) + cm.exposed_s(tp_bwd, 2 * layer.lin_s + layer.r_lin * layer.lin_s)
     return tp_fwd + tp_bwd
@@ -286,9 +295,10 @@ def _fsdp_exposed(layer: _Layer, shape: DecoderShape, layout: Parallelism, topol
     shard_span = cm.group_span(layout.shard_ranks, layout.tp, topology.devices_per_node)
     ag = cm.collective_time_s("all-gather", shape.layer_params / layout.tp * software.param_gather_bytes,
                               shard_span, topology, eff)
-    rs = cm.collective_time_s("reduce-scatter", shape.layer_params / layout.tp * software.grad_reduce_bytes,
-                              shard_span, topology, eff)
-    return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag + rs, layer.bwd_s), ag
+    trained = shape.trained_layer_params / layout.tp  # the backward gathers and reduces these only
+    ag_bwd = cm.collective_time_s("all-gather", trained * software.param_gather_bytes, shard_span, topology, eff)
+    rs = cm.collective_time_s("reduce-scatter", trained * software.grad_reduce_bytes, shard_span, topology, eff)
+    return cm.exposed_s(ag, layer.fwd_s) + cm.exposed_s(ag_bwd + rs, layer.bwd_s), ag
 
 
 def _fsdp_once_s(shape: DecoderShape, layers_per_stage: float, layout: Parallelism, topology: Topology,
@@ -297,18 +307,19 @@ def _fsdp_once_s(shape: DecoderShape, layers_per_stage: float, layout: Paralleli
     once after them (`pipeline_weights_once`): nothing of the stage runs beside either."""
     shard_span = cm.group_span(layout.shard_ranks, layout.tp, topology.devices_per_node)
     stage_params = layers_per_stage * shape.layer_params / layout.tp
+    stage_trained = layers_per_stage * shape.trained_layer_params / layout.tp
     return (cm.collective_time_s("all-gather", stage_params * software.param_gather_bytes, shard_span, topology, eff)
-            + cm.collective_time_s("reduce-scatter", stage_params * software.grad_reduce_bytes, shard_span,
+            + cm.collective_time_s("reduce-scatter", stage_trained * software.grad_reduce_bytes, shard_span,
                                    topology, eff))
 
 
 def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: Topology, eff: cm.Efficiency) -> float:
-    """The LM head and loss, forward and backward, on the last stage (every GPU without
-    pipelining), in bf16."""
+    """The LM head and loss, forward and backward (forward only when the head is frozen), on the
+    last stage (every GPU without pipelining), in bf16."""
     dev = topology.device
     head_f = shape.head_forward_flops(layer.tokens) / layout.tp
     mm_max = eff.matmul_max_for(dev.name)
-    return 3 * cm.matmul_time_s(head_f, dev.peak_flops["bfloat16"], head_f, mm_max, eff.matmul_half_flops) + \
+    return (1 if shape.frozen_head else 3) * cm.matmul_time_s(head_f, dev.peak_flops["bfloat16"], head_f, mm_max, eff.matmul_half_flops) + \
         cm.memory_time_s(_LOSS_BYTES_PER_LOGIT * layer.tokens * shape.vocab / layout.tp, dev.hbm_bytes_per_s)
 
 
@@ -403,8 +414,9 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
 
     # Data-parallel gradient sync and the optimizer, once per step. The SPMD loop keeps the
     # embedding and head whole on every stage; Megatron puts them on the first and last.
-    embedding_params = shape.embedding_params if spmd else shape.embedding_params / min(layout.pp, 2)
-    stage_params = layers_per_stage * shape.layer_params + embedding_params
+    # What the gradient sync and the optimizer cover: the trained parameters.
+    embedding_params = shape.trained_embedding_params / (1 if spmd else min(layout.pp, 2))
+    stage_params = layers_per_stage * shape.trained_layer_params + embedding_params
     params_per_gpu = stage_params / layout.tp
 
     return StepBreakdown(

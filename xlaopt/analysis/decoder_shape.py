@@ -21,6 +21,13 @@ class DecoderShape:
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT, MPT)
     tied_embeddings: bool = False
     kv_channels: int | None = None  # the head dimension where it is not d_model / heads (Qwen3-32B: 128, not 80)
+    # Parameters a run freezes (`TrainSettings.trainable`): the share of each layer's weights, the
+    # tokens and the attention FLOPs whose backward is dropped (nothing trained is upstream of
+    # them), and whether the embedding and head are frozen. All zero: everything trains.
+    frozen_layer_params: float = 0.0
+    frozen_tokens: float = 0.0
+    frozen_attention: float = 0.0
+    frozen_head: bool = False
 
     def __post_init__(self):
         if self.mlp not in ("swiglu", "gelu"):
@@ -51,6 +58,14 @@ class DecoderShape:
     @property
     def params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def trained_layer_params(self) -> float:
+        return self.layer_params * (1.0 - self.frozen_layer_params)
+
+    @property
+    def trained_embedding_params(self) -> float:
+        return 0.0 if self.frozen_head else self.embedding_params
 
     def linear_forward_flops(self, tokens: float) -> float:
         """One layer's linear matmuls, forward."""

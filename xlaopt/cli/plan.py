@@ -27,6 +27,7 @@ class PlanRequest:
     out: str | None
     rows_shown: int
     seed: int
+    trainable: str
     json: str | None
     mesh: str | None
     serving: ServingRequest
@@ -66,6 +67,9 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, metavar="LAYOUT.toml", help="write the best layout's file (TOML or JSON)")
     p.add_argument("--rows", type=int, default=12, help="candidates to print (default 12)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainable", default="all", metavar="SET",
+                   help="plan training of this parameter set, the rest frozen (as train's --trainable; Cosmos 3: "
+                        "generator)")
     p.add_argument("--json", default=None, metavar="OUT")
     flags.serving_args(p, "analytic")
     p.add_argument("--mesh", default=None,
@@ -152,7 +156,7 @@ def run(request: PlanRequest) -> int:
     program, batch, target_note = plan_program(config, topology, target=request.target, mix=request.rows.mix,
                                                data=request.rows.data, batch=given,
                                                execution_settings=request.execution_settings, seed=request.seed,
-                                               old=old)
+                                               old=old, trainable=request.trainable)
     planner = LayoutPlan(enabled=True, top=request.top, exhaustive=request.exhaustive, remats=policies,
                          precisions=precisions, stages=stage_counts)
     result = planner.plan_with(program, PassContext.for_program(program, topology), batch, prepare=after_planning)

@@ -64,10 +64,10 @@ def plan_target(requested: str, topology) -> tuple[str, str]:
 
 def plan_program(config, topology, *, target: str = "auto", mix: str | None = None, data: str | None = None,
                  batch: BatchRequest | None = None, execution_settings: Sequence[str] = (), seed: int = 0,
-                 old=None):
+                 old=None, trainable: str = "all"):
     """(base TrainProgram, PricedBatch, note) for `xlaopt plan`: `target` as `--target`, rows of
     the named `mix` or the store `data`, the `batch` fields given, `execution_settings` as
-    `--exec`'s KEY=VALUE, `old` the `--from` layout."""
+    `--exec`'s KEY=VALUE, `old` the `--from` layout, `trainable` as `TrainSettings.trainable`."""
     from xlaopt.analysis.analyze import analysis_batch_size
     from xlaopt.analysis.priced_batch import mix_batch, store_batch, synthetic_batch
     from xlaopt.build import build_program
@@ -109,7 +109,7 @@ def plan_program(config, topology, *, target: str = "auto", mix: str | None = No
         batch, changed = _splittable(config, batch, topology, execution.attention)
         if changed:
             note = (note + "; " if note else "") + changed
-    program = build_program(config, batch=batch, execution=execution, seed=seed, target=target)
+    program = build_program(config, batch=batch, execution=execution, seed=seed, target=target, trainable=trainable)
     priced = (mix_batch(program, mix) if mix is not None else store_batch(program, data) if data
               else synthetic_batch(program))
     return program, priced, note

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import time
 
+from xlaopt.analysis.attention_work import needed_pairs
 from xlaopt.analysis.costmodel import efficiency_for
 from xlaopt.analysis.priced_batch import PricedBatch
 from xlaopt.analysis.topology import Topology, preset
@@ -323,7 +324,10 @@ def _shape(program: TrainProgram, work, batch: PricedBatch):
     pairs = work.pairs_executed if work.pairs_executed is not None else work.pairs_needed
     text = float((batch.arrays["text_segment_ids_BT"] > 0).sum())
     gen = float((batch.arrays["gen_segment_ids_BV"] > 0).sum())
-    return analytic_shape(program.model, pairs / program.settings.batch.batch_size, text / max(text + gen, 1.0))
+    # The reasoner's own attention comes first (`cosmos3.attention_calls`): its share of the pairs.
+    per_call = [float(needed_pairs(q, k).sum()) for q, k in family_of(program.model).attention_calls(batch.arrays)]
+    return analytic_shape(program.model, pairs / program.settings.batch.batch_size, text / max(text + gen, 1.0),
+                          program.settings.trainable, per_call[0] / max(sum(per_call), 1.0))
 
 
 def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:

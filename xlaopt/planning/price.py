@@ -27,6 +27,10 @@ Memory per device (the peak of the step, as XLA's `memory_analysis` counts it):
              plus the logits in fp32 and their gradient (text tokens x vocab / tp; XLA computes
              the fp32 gradient in the logits' place, and the head's matmuls read a compute-dtype
              copy: 6 B a logit), plus dense attention's fp32 logits.
+Frozen parameters (`--trainable`) hold their fp32 values only (no moments, no gradient), and the
+frozen tokens save for backward only what a trained tower reads of them: their layer input where
+the policy recomputes (a frozen tower's keys and values are recomputed from it), else those keys
+and values.
 With pipeline stages (xlaopt's SPMD loop) a stage holds its layers' share of the state and the
 embedding and head whole; it saves for backward what every one of its M + P - 1 ticks saved; the
 logits are those of its share of the rows; and its input and output buffers hold every micro-batch.
@@ -127,6 +131,7 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     # A stage holds its share of the layers and the embedding and head whole (`analytic`'s "spmd").
     layers = shape.layers // c.pp
     params = layers * shape.layer_params + shape.embedding_params
+    trained = layers * shape.trained_layer_params + shape.trained_embedding_params
     shards = c.fsdp * c.tp
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
@@ -140,6 +145,8 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     if traced is not None:
         whole = saved_per_token_layer(shape, 1, compute)
         saved = {**formula, **{r: traced[r] * formula[r] / whole[r] for r in traced}}
+    frozen_saves = formula["full"] if c.remat != "none" else compute * 2 * shape.kv_heads * shape.head_dim / c.tp
+    saved_per_token = (1 - shape.frozen_tokens) * saved[c.remat] + shape.frozen_tokens * frozen_saves
     # While one layer runs backward: its activations as matmuls consume them (recomputed or
     # saved, XLA fuses the elementwise work between) and the MLP input gradients beside them.
     mlp_inputs = 2 if shape.mlp == "swiglu" else 1
@@ -151,10 +158,10 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     in_flight = layers if c.weights_once else 2  # FSDP: the stage's layers gathered at once, or two prefetched
     weights = in_flight * weight * shape.layer_params / c.tp if c.fsdp > 1 else weight * params / c.tp
     parts = {
-        "state": 12.0 * params / shards,
-        "gradients": 4.0 * params / shards,
+        "state": (4.0 * params + 8.0 * trained) / shards,
+        "gradients": 4.0 * trained / shards,
         "weights": float(weights),
-        "saved": saved[c.remat] * tokens * layers * held,
+        "saved": saved_per_token * tokens * layers * held,
         "working": (layer_working * tokens + (4.0 + compute) * head_tokens * logits_fraction * shape.vocab / c.tp
                     + attention_logits),
     }

@@ -98,19 +98,29 @@ def tower_shape(config) -> DecoderShape:
     return DecoderShape(**_tower_fields(config))
 
 
-def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fraction: float = 1.0) -> DecoderShape:
-    """The shape of a registered config. Cosmos 3 needs the priced rows' attention pairs."""
+def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fraction: float = 1.0,
+                   trainable: str = "all", text_attention_fraction: float = 0.0) -> DecoderShape:
+    """The shape of a registered config. Cosmos 3 needs the priced rows' attention pairs; with
+    `trainable="generator"` (its reasoner frozen) also the reasoner queries' share of them."""
     from xlaopt.families import family_of
 
     family = family_of(config)
+    if trainable != "all" and trainable not in family.trainable_names:
+        raise ValueError(f"trainable={trainable!r}: the {family.name} family's sets are {family.trainable_names}")
     if not family.has_layer_stack:
         return conv_shape(config)
     common = _tower_fields(config)
     if family.generates_video:
         if pairs_executed_per_row is None:
             raise ValueError("a Cosmos 3 shape needs the attention pairs its rows execute")
+        # The generator set (`xlaopt.models.cosmos3.GENERATOR_SET`) freezes the reasoner: one of
+        # the two towers' weights, the text tokens' backward and its queries' attention, the
+        # embedding and the LM head.
+        frozen = {} if trainable == "all" else dict(frozen_layer_params=1.0 / family.towers,
+                                                      frozen_tokens=text_fraction,
+                                                      frozen_attention=text_attention_fraction, frozen_head=True)
         return MoTShape(**common, towers=family.towers, attention_flops_per_row=4.0 * config.num_heads
-                        * config.head_dim * pairs_executed_per_row, text_fraction=text_fraction)
+                        * config.head_dim * pairs_executed_per_row, text_fraction=text_fraction, **frozen)
     if family.decodes_text:
         return DecoderShape(**common, tied_embeddings=config.tie_embeddings)
     # An image encoder: every token sees its whole image, the head on one pooled vector an image.
