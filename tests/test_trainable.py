@@ -118,17 +118,42 @@ def test_an_unknown_set_names_the_familys_sets(config, name, message):
         TrainProgram(config, settings=dataclasses.replace(TrainSettings(), trainable=name))
 
 
-def test_a_resume_refuses_a_checkpoint_that_trained_another_set():
+def test_a_resume_may_train_less_than_its_checkpoint_not_more():
     from xlaopt.checkpoint.layout import CheckpointError
     from xlaopt.runtime.train import _check_same_run, _run_meta
 
-    meta = json.loads(json.dumps(_run_meta(_program("generator"), None)))
-    _check_same_run(meta, _program("generator"), "ckpt")  # the same set resumes
+    frozen, everything = (json.loads(json.dumps(_run_meta(_program(t), None))) for t in ("generator", "all"))
+    _check_same_run(frozen, _program("generator"), "ckpt")
+    _check_same_run(everything, _program("generator"), "ckpt")  # fine-tuning part of a trained model
     with pytest.raises(CheckpointError, match="saved by a run training 'generator' parameters, this run trains 'all'"
                                               ".* Resume with --trainable generator"):
-        _check_same_run(meta, _program("all"), "ckpt")
-    del meta["trainable"]  # a checkpoint from before the setting trained everything
-    _check_same_run(meta, _program("all"), "ckpt")
+        _check_same_run(frozen, _program("all"), "ckpt")
+    del everything["trainable"]  # a checkpoint from before the setting trained everything
+    _check_same_run(everything, _program("generator"), "ckpt")
+
+
+def test_fine_tuning_the_generator_resumes_from_a_checkpoint_that_trained_everything(tmp_path):
+    """What an imported model's fine-tuning does: every parameter and the generator's moments
+    restored, the reasoner's moments left behind, and the reasoner then stays as it was saved."""
+    from xlaopt.checkpoint.layout import read_manifest, step_dir_name
+    from xlaopt.checkpoint.restore import read_all
+    from xlaopt.cli import main
+
+    common = ["train", "--model", "cosmos3-tiny", "--set", "num_layers=1", "--batch-size", "4", "--no-progress",
+              "--ckpt", str(tmp_path)]
+    assert main([*common, "--steps", "2", "--ckpt-every", "1"]) == 0
+    assert main([*common, "--steps", "4", "--ckpt-every", "1", "--resume", "--trainable", "generator"]) == 0
+    read = lambda step: read_all(tmp_path / step_dir_name(step), read_manifest(tmp_path / step_dir_name(step)))  # noqa: E731
+    before, after = read(2), read(4)
+    reasoner = [n for n in before if n.startswith("params/") and not _generator(n[len("params/"):])]
+    assert reasoner and all(np.array_equal(before[n], after[n]) for n in reasoner)
+    assert not any(np.array_equal(before[n], after[n]) for n in before if n.startswith("params/layers/generator/")
+                   and before[n].ndim > 1)
+    # AdamW's moments of the generator's parameters only, and its counts.
+    moment_of = lambda n: next((n.split(m, 1)[1] for m in ("/mu/", "/nu/") if m in n), None)  # noqa: E731
+    saved = {n for n in before if n.startswith("opt_state/")}
+    assert {n for n in after if n.startswith("opt_state/")} == {
+        n for n in saved if moment_of(n) is None or _generator(moment_of(n))} != saved
 
 
 @needs_devices(8)

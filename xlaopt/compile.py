@@ -36,6 +36,7 @@ from xlaopt.transforms.ulysses_attention import UlyssesAttentionTransform
 
 # Checkpoint leaf names of `TrainState.loss_scale` (see xlaopt.checkpoint.tree.named_leaves).
 _SCALE_PREFIX = "loss_scale/"
+_OPT_PREFIX = "opt_state/"
 # Named in a transformed program's `xla_disable_hlo_passes` (no pass is called so): the compile
 # options, and so the persistent cache's key, differ from the untransformed program's.
 HLO_TRANSFORM_MARKER = "xlaopt-hlo-transform-"
@@ -136,20 +137,27 @@ class CompiledProgram:
         laid out on this program's shardings. A checkpoint saved under another compute dtype
         restores too, as any execution config's does: a float16 run resumed from a bf16 or fp32
         checkpoint starts its loss scale afresh at `loss_scale_init`, and a run that does not
-        scale drops a float16 checkpoint's scale."""
+        scale drops a float16 checkpoint's scale. A run that trains less than the checkpoint did
+        (`TrainSettings.trainable`) restores every parameter and the moments of what it trains."""
         from xlaopt.checkpoint import CheckpointError
 
         target = self.abstract_state
-        saved = any(leaf["name"].startswith(_SCALE_PREFIX) for leaf in manager.manifest(step)["leaves"])
-        if saved == (target.loss_scale is not None):
+        manifest = manager.manifest(step)
+        saved = any(leaf["name"].startswith(_SCALE_PREFIX) for leaf in manifest["leaves"])
+        narrowed = manifest["meta"].get("trainable", "all") != self.program.settings.trainable
+        if saved == (target.loss_scale is not None) and not narrowed:
             state, meta, _ = manager.restore(target, step=step)
             return state, meta
-        if target.loss_scale is not None:  # partial restore keeps the target's values, so give real ones
+        if target.loss_scale is not None and not saved:  # partial restore keeps the target's values: real ones
             target = target._replace(loss_scale=jax.device_put(loss_scale.initial(self.program.execution),
                                                                self.state_shardings.loss_scale))
         state, meta, report = manager.restore(target, step=step, partial=True)
-        others = [n for n in report["kept_from_target"] + report["ignored"] if not n.startswith(_SCALE_PREFIX)]
-        if others:  # only the loss scale may differ; partial must not hide anything else
+        # Only the loss scale may differ, and the frozen parameters' moments be left behind;
+        # partial must not hide anything else (every leaf of this program's state is restored).
+        dropped = lambda name: narrowed and name.startswith(_OPT_PREFIX)  # noqa: E731
+        others = [n for n in report["kept_from_target"] if not n.startswith(_SCALE_PREFIX)] + \
+                 [n for n in report["ignored"] if not (n.startswith(_SCALE_PREFIX) or dropped(n))]
+        if others:
             raise CheckpointError(f"step {step}: the checkpoint's tree differs from this program's beyond the loss "
                                   f"scale: {', '.join(others[:8])}")
         return state, meta

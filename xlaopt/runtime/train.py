@@ -66,8 +66,11 @@ def _check_same_run(meta: dict, program: TrainProgram, where: str) -> None:
         if meta[key] != json.loads(json.dumps(now[key])):
             raise CheckpointError(f"{where}: saved with {key} {meta[key]}, this run has {now[key]}; an exact "
                                   f"resume needs the same {key}")
+    # A run may train less than the checkpoint did (fine-tuning part of an imported or trained
+    # model: the moments of what it freezes are dropped), not more: the saved optimizer state
+    # has no moments for parameters the checkpoint froze.
     trained = meta.get("trainable", "all")  # checkpoints from before the setting trained everything
-    if trained != now["trainable"]:
+    if trained not in ("all", now["trainable"]):
         raise CheckpointError(f"{where}: saved by a run training {trained!r} parameters, this run trains "
                               f"{now['trainable']!r}; the optimizer state is of the trained ones only. Resume with "
                               f"--trainable {trained}, or use another --ckpt directory")
@@ -157,6 +160,8 @@ class _Run:
                 print(f"xlaopt train: the local tier's step {step} was saved on mesh {header['meta'].get('mesh')}, "
                       f"this run has {self.program.mesh.as_dict()}: restoring the persistent tier", file=sys.stderr)
             return
+        if header["meta"].get("trainable", "all") != self.program.settings.trainable:
+            return  # its blob holds another set's optimizer state: the persistent tier maps it
         self.resumed, self.meta = step, header["meta"]
         self.local_blob = (header, payload, where, time.perf_counter() - t0)
 
