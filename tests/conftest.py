@@ -1,9 +1,13 @@
 """Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
 import os
+import shutil
 import tempfile
 
-# Default sample stores made on first use go to a per-session directory, not the user's cache.
-os.environ.setdefault("XLAOPT_CACHE", tempfile.mkdtemp(prefix="xlaopt-test-cache-"))
+# Default sample stores made on first use go to a per-session directory, not the user's cache;
+# the process that makes it (xdist's controller; its workers and the commands tests start inherit
+# it) removes it when the run ends (`pytest_unconfigure`).
+_MADE_CACHE = None if "XLAOPT_CACHE" in os.environ else tempfile.mkdtemp(prefix="xlaopt-test-cache-")
+os.environ.setdefault("XLAOPT_CACHE", _MADE_CACHE or "")
 # The suite compiles for speed and reads a user's compile wherever it reads one (suite_compile.py).
 import suite_compile  # noqa: E402
 
@@ -143,6 +147,11 @@ LONGEST_FILES = (
     "test_sample_cosmos.py", "test_collective_matmul.py", "test_loss_scale.py", "test_generate_sharded.py",
     "test_loader.py",
 )
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE is not None:
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):

@@ -162,3 +162,25 @@ def test_the_activation_trace_is_read_back_from_disk_equal_and_keyed_by_program(
     assert trace_cache.cached("activations", other, lambda: "traced") == "traced"  # another program, another entry
     entries[0].write_text("{damaged")
     assert trace_cache.cached("activations", program, lambda: step._trace_activation_axes(program)) == traced
+
+
+def test_compiles_inside_unused_neither_read_nor_write_the_cache(tmp_path):
+    """What the deviceless GPU compiles of `analyze --serve` run under (their entries cannot be read
+    back on jax 0.10.2): outside it, the same compile writes its entry."""
+    import jax.numpy as jnp
+
+    before = compile_cache.directory()
+    compile_cache.configure(str(tmp_path))
+    try:
+        saved_min = jax.config.jax_persistent_cache_min_compile_time_secs
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        entries = lambda: {p.name for p in tmp_path.iterdir()}  # noqa: E731
+        with compile_cache.unused():
+            assert jax.config.jax_compilation_cache_dir is None
+            jax.jit(lambda x: jnp.sin(x) * 3).lower(jnp.ones(7)).compile()
+        assert entries() == set() and jax.config.jax_compilation_cache_dir == str(tmp_path)
+        jax.jit(lambda x: jnp.sin(x) * 3).lower(jnp.ones(7)).compile()
+        assert len(entries()) == 1
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", saved_min)
+        compile_cache.configure(str(before) if before is not None else compile_cache.OFF)

@@ -74,6 +74,28 @@ def configure(setting: str | None = None) -> pathlib.Path | None:
     return directory
 
 
+@contextlib.contextmanager
+def unused():
+    """No persistent cache around the compiles inside: for executables that cannot be read back.
+    A deviceless (compile-only) GPU compile's entry fails to load on jax 0.10.2 ("PjRtCompiler must
+    be constructed with a Client to call DeserializeLoadedExecutable"), and JAX never replaces an
+    entry it could not read, so each identical compile after the first would warn again."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    was = jax.config.jax_compilation_cache_dir
+    if was is None:
+        yield
+        return
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is used: decide again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", was)
+        compilation_cache.reset_cache()
+
+
 def directory() -> pathlib.Path | None:
     """The directory `configure` set, None when off or never configured."""
     return _directory

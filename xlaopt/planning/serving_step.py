@@ -11,6 +11,7 @@ its cache donated.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from xlaopt.analysis.topology import Topology
+from xlaopt.compiler import cache as compile_cache
 from xlaopt.errors import UserError
 from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
 from xlaopt.sharding import Rule
@@ -30,6 +32,12 @@ def _mesh(spec: MeshSpec, topology: Topology, target: str):
 
         return gpu_mesh(topology, spec.sizes, MESH_AXES, spec.placement())
     return make_mesh(spec)
+
+
+def _cache_for(target: str):
+    """JAX's persistent cache for a compile for `target`: none for the deviceless GPU's, whose
+    executables cannot be read back (`xlaopt.compiler.cache.unused`)."""
+    return compile_cache.unused() if target == "gpu" else contextlib.nullcontext()
 
 
 def _abstract(x, dtype, sharding):
@@ -144,7 +152,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
                  "target": target, "rows": rows, "text": text, "gen": gen, "guidance": guidance, "compute_dtype": dtype}
     for name, (fn, args) in ((n, steps[n]) for n in which):
         t0 = time.perf_counter()
-        with placement.tracing(R), sc.ulysses(placement, config, (text, gen)):
+        with placement.tracing(R), sc.ulysses(placement, config, (text, gen)), _cache_for(target):
             compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
         # On the GPU the attention is cuDNN's: its FLOPs, per device (rows over data, heads over tensor).
         fused = fused_attention_flops(compiled.as_text(), _heads_per_call(config, spec), config.head_dim,
@@ -213,7 +221,8 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     t0 = time.perf_counter()
     with placement.tracing(rows):
         lowered = jax.jit(functools.partial(decode_step, tower), donate_argnums=(2,)).lower(params, token, cache)
-    compiled = lowered.compile()
+    with _cache_for(target):
+        compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology,
