@@ -81,6 +81,15 @@ def _serving(request: AnalyzeRequest, config, layout, topology) -> int:
     from xlaopt.cli import programs
     from xlaopt.planning import serving_step
 
+    given = request.program
+    ignored = [flag for flag, value in (("--exec", given.execution_settings), ("--xla-option", given.xla_options),
+                                        ("--pass-option", given.pass_options), ("--passes", given.passes),
+                                        ("--disable", given.disable), ("--dump-hlo", given.dump_hlo),
+                                        ("--trainable", given.trainable != "all")) if value]
+    if ignored:  # none of them reaches a serving step: refused rather than silently dropped
+        raise UserError(f"{', '.join(ignored)} with --serve: a serving step compiles as it is served, with no "
+                        f"training passes, gradients or execution settings and XLA's default options; drop "
+                        f"{'them' if len(ignored) > 1 else 'it'}")
     rows, dtype = request.global_batch.global_batch, programs.compute_dtype(request.program, layout)
     asked = request.serving
     if asked.mode == "decode":
