@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, param
+from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, head_logits, param
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.stack import LayerStack, StackSpec
@@ -235,7 +235,7 @@ class Cosmos3(nn.Module):
 
         h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD))
         head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
-        logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
+        logits_BTE = head_logits(h_BTD, head_DE.astype(dt))
         logits_BTE = constrain(logits_BTE, ("batch", "seq", "act_vocab"))
         h_BVD = gathered(RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD))
         pred_BVC = io.predict(h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"])

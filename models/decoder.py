@@ -16,7 +16,16 @@ import numpy as np
 
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
-from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, next_token_loss, param
+from xlaopt.models.layers import (
+    RESIDUAL_BLD,
+    RMSNorm,
+    constrain,
+    embedding_lookup,
+    gathered,
+    head_logits,
+    next_token_loss,
+    param,
+)
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.registry import ConfigError, register
@@ -108,7 +117,7 @@ class Decoder(nn.Module):
         x_BTD = LayerStack(DecoderLayer, layer, c.num_layers, self.stack, name="layers")(x_BTD, tokens_T, rope)
         h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD))
         head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
-        logits_BTE = jnp.einsum("btd,de->bte", h_BTD, head_DE.astype(dt), preferred_element_type=jnp.float32)
+        logits_BTE = head_logits(h_BTD, head_DE.astype(dt))
         return constrain(logits_BTE, ("batch", "seq", "act_vocab"))
 
 
