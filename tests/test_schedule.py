@@ -1,9 +1,12 @@
 """The schedule read from compiled HLO: exact matmul FLOPs from shapes, loop bodies expanded by
 trip count, async pairs and what runs between them, and the CPU-pipeline artefacts recognised."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
+from xlaopt.analysis import gpu_aot
 from xlaopt.analysis.schedule import build_schedule
 from xlaopt.analysis.simulate import compute_time_s, simulate
 from xlaopt.analysis.topology import parse_topology
@@ -70,7 +73,7 @@ def test_dot_flops_fusions_and_loops_from_shapes():
     for op in s.ops:
         by_name.setdefault(op.name, []).append(op)
     assert by_name["f"][0].flops == 2 * 64 * 32 * 128  # fusion: its fused dot
-    assert by_name["f"][0].dtype == "f32"
+    assert by_name["f"][0].dtype == "tf32"  # f32 at default precision: TF32 tensor cores (below)
     assert len(by_name["d"]) == 3  # the while body, expanded by its trip count
     assert by_name["d"][0].flops == 2 * 64 * 128 * 128
     assert s.flops == 2 * 64 * 32 * 128 + 3 * 2 * 64 * 128 * 128
@@ -330,3 +333,64 @@ def test_a_loop_without_xlas_trip_count_is_counted_from_its_start_bound_and_step
     # A body that does not step its counter: nothing to count by, so the loop stays unknown (once).
     still = build_schedule(_COUNTED.replace("tuple(%inc, %d)", "tuple(%i, %d)"))
     assert [(loop["trip_count"], loop["known"]) for loop in still.loops] == [(1, False)]
+
+
+def _one_dot(operands: str, attrs: str = "") -> str:
+    return f"""HloModule m
+
+ENTRY %main (x: {operands}[256,512], w: {operands}[512,128]) -> f32[256,128] {{
+  %x = {operands}[256,512]{{1,0}} parameter(0)
+  %w = {operands}[512,128]{{1,0}} parameter(1)
+  ROOT %d = f32[256,128]{{1,0}} dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}{attrs}
+}}
+"""
+
+
+def test_an_f32_matmul_at_default_precision_is_priced_at_the_tf32_peak():
+    h100 = parse_topology("h100:1x8")
+    cases = {"tf32": _one_dot("f32"), "f32": _one_dot("f32", ", operand_precision={highest,highest}"),
+             "bf16": _one_dot("bf16")}
+    for expected, text in cases.items():
+        (op,) = [o for o in build_schedule(text).ops if o.matmuls]
+        assert op.dtype == expected
+    tf32, f32, bf16 = ([o for o in build_schedule(t).ops if o.matmuls][0] for t in cases.values())
+    big = lambda op: dataclasses.replace(op, matmuls=(1e15,), flops=1e15)  # noqa: E731 (compute-bound)
+    times = [compute_time_s(big(op), h100) for op in (tf32, f32, bf16)]
+    peaks = h100.device.peak_flops
+    assert times[0] / times[2] == pytest.approx(peaks["bfloat16"] / peaks["tfloat32"], rel=1e-3)  # 2x
+    assert times[1] / times[0] == pytest.approx(peaks["tfloat32"] / peaks["float32"], rel=1e-3)
+    # A device without TF32 (the simulated CPU's) runs it at its f32 peak.
+    cpu = parse_topology("cpu:1x8")
+    assert compute_time_s(big(tf32), cpu) == compute_time_s(big(f32), cpu)
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_jaxs_gpu_compiler_runs_an_f32_matmul_in_tf32_unless_asked_for_highest(tmp_path):
+    """The fact the pricing above rests on, from the installed compiler's own PTX: a default f32
+    dot's kernel uses TF32 tensor-core instructions, a HIGHEST one f32 FMAs and none."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import command_env
+
+    script = textwrap.dedent("""
+        import sys, jax, jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P, NamedSharding
+        from xlaopt.analysis import gpu_aot
+        from xlaopt.analysis.topology import parse_topology
+        mesh = gpu_aot.gpu_mesh(parse_topology("h100:1x8"), (1,), ("x",))
+        a = jax.ShapeDtypeStruct((2048, 2048), jnp.float32, sharding=NamedSharding(mesh, P()))
+        precision = None if sys.argv[1] == "default" else jax.lax.Precision.HIGHEST
+        jax.jit(lambda x, y: jnp.dot(x, y, precision=precision)).lower(a, a).compile()
+    """)
+    ptx = {}
+    for precision in ("default", "highest"):
+        dump = tmp_path / precision
+        env = dict(command_env(), XLA_FLAGS=f"--xla_dump_to={dump}", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, "-c", script, precision], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        ptx[precision] = "".join(p.read_text() for p in dump.glob("*.ptx"))
+    assert "mma.sync.aligned" in ptx["default"] and ".tf32.tf32" in ptx["default"]
+    assert "mma" not in ptx["highest"] and "fma.rn.f32" in ptx["highest"]

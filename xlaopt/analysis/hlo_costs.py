@@ -17,6 +17,15 @@ FREE_OPCODES = frozenset({
     "add-dependency", "opt-barrier", "domain", "while", "call", "conditional",
 })
 _DOT_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
+# An f32 matmul at XLA's default precision runs on the tensor cores in TF32: jax 0.10.2's GPU
+# compiler emits `mma...f32.tf32.tf32.f32` for it (checked in its PTX, tests/test_schedule.py).
+# HIGHEST precision (or an f32 x f32 algorithm) asks for full f32.
+_FULL_F32 = re.compile(r"operand_precision=\{highest|\"HIGHEST\"|algorithm=dot_f32_f32_f32|ALG_DOT_F32_F32_F32")
+
+
+def _tensor_core_type(element_type: str, attrs: str) -> str:
+    """The operand type a matmul's tensor cores take: "tf32" for f32 at default precision."""
+    return "tf32" if element_type == "f32" and not _FULL_F32.search(attrs) else element_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +79,7 @@ class HloReader:
         if not lhs or not out:
             return 0.0, None
         contracting = math.prod(lhs[0][1][d] for d in _int_list(ins.attrs, "lhs_contracting_dims"))
-        return 2.0 * math.prod(out[0][1]) * contracting, lhs[0][0]
+        return 2.0 * math.prod(out[0][1]) * contracting, _tensor_core_type(lhs[0][0], ins.attrs)
 
     def _convolution(self, comp: str, ins: Instruction) -> tuple[float, str | None]:
         """A convolution, or one of the cuDNN custom calls XLA's GPU pipeline rewrites it and its
@@ -99,7 +108,7 @@ class HloReader:
         if not m or not lhs or not out:
             return 0.0, None
         dims = [int(x.strip().strip('"')) for x in m.group(1).split(",") if x.strip()]
-        return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
+        return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims), _tensor_core_type(lhs[0][0], ins.attrs)
 
     def matmuls(self, comp: str, ins: Instruction) -> tuple[tuple[float, ...], str | None]:
         if ins.opcode == "dot":

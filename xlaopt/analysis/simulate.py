@@ -42,7 +42,8 @@ from xlaopt.analysis.hlo import group_axes
 from xlaopt.analysis.schedule import CollectiveInfo, Op, Schedule
 from xlaopt.analysis.topology import Topology
 
-HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float32", "f8e4m3fn": "float8",
+HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "tf32": "tfloat32", "f64": "float32",
+              "f8e4m3fn": "float8",
               "f8e5m2": "float8", "s8": "float8", "u8": "float8"}
 
 
@@ -85,6 +86,8 @@ class SimResult:
 
 def _peak(topology: Topology, dtype_name: str) -> float:
     peaks = topology.device.peak_flops
+    if dtype_name == "tfloat32" and dtype_name not in peaks:  # a device without TF32 runs f32
+        dtype_name = "float32"
     return peaks.get(dtype_name) or peaks.get("bfloat16") or max(peaks.values())
 
 

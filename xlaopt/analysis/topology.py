@@ -89,26 +89,31 @@ class Topology:
 # InfiniBand) and are among the parameters the cost model calibrates.
 _GBps, _TFLOPs = 1e9, 1e12
 
+# TF32 (the tensor cores' f32, what XLA runs an f32 matmul in at default precision) is half the
+# bf16 dense peak on each of these, as their datasheets list it (H100 SXM 494.7 TFLOP/s, A100 156).
 _DEVICES = {
     "h100": Device("H100 SXM", {"bfloat16": 989 * _TFLOPs, "float16": 989 * _TFLOPs, "float8": 1979 * _TFLOPs,
-                                "float32": 67 * _TFLOPs}, 80e9, 3.35e12),
+                                "float32": 67 * _TFLOPs, "tfloat32": 495 * _TFLOPs}, 80e9, 3.35e12),
     "h200": Device("H200 SXM", {"bfloat16": 989 * _TFLOPs, "float16": 989 * _TFLOPs, "float8": 1979 * _TFLOPs,
-                                "float32": 67 * _TFLOPs}, 141e9, 4.8e12),
+                                "float32": 67 * _TFLOPs, "tfloat32": 495 * _TFLOPs}, 141e9, 4.8e12),
     "a100": Device("A100 SXM 80GB", {"bfloat16": 312 * _TFLOPs, "float16": 312 * _TFLOPs,
-                                     "float32": 19.5 * _TFLOPs}, 80e9, 2.039e12),
+                                     "float32": 19.5 * _TFLOPs, "tfloat32": 156 * _TFLOPs}, 80e9, 2.039e12),
     # H100 96 GB HBM2e at its default 500 W limit (Meta Grand Teton, the TorchTitan benchmarks):
     # 96 GB and 2.4 TB/s from pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
     # which says its peak "is between SXM and NVL" without a figure. Assumed: the midpoint of the
     # H100 SXM (989 TFLOP/s bf16 dense) and H100 NVL (835 TFLOP/s, NVL datasheet) peaks, fp8 twice that.
     "h100gt": Device("H100 96GB HBM2e 500W", {"bfloat16": 912 * _TFLOPs, "float16": 912 * _TFLOPs,
-                                              "float8": 1824 * _TFLOPs, "float32": 62 * _TFLOPs}, 96e9, 2.4e12),
+                                              "float8": 1824 * _TFLOPs, "float32": 62 * _TFLOPs,
+                                              "tfloat32": 456 * _TFLOPs}, 96e9, 2.4e12),
     # GB200 NVL72: 180 PFLOP/s bf16 dense and 13.4 TB HBM3e over 72 GPUs; 8 TB/s per GPU.
     "gb200": Device("B200 (GB200 NVL72)", {"bfloat16": 2500 * _TFLOPs, "float16": 2500 * _TFLOPs,
-                                           "float8": 5000 * _TFLOPs, "float32": 80 * _TFLOPs}, 186e9, 8e12),
+                                           "float8": 5000 * _TFLOPs, "float32": 80 * _TFLOPs,
+                                           "tfloat32": 1250 * _TFLOPs}, 186e9, 8e12),
     # HGX / DGX B200 at 1,000 W (NVIDIA's HGX B200 figures, dense): 2,250 TFLOP/s bf16, 4,500 fp8;
     # 180 GB (DGX B200: 1,440 GB over 8 GPUs), 8 TB/s.
     "b200": Device("B200 (HGX/DGX)", {"bfloat16": 2250 * _TFLOPs, "float16": 2250 * _TFLOPs,
-                                      "float8": 4500 * _TFLOPs, "float32": 80 * _TFLOPs}, 180e9, 8e12),
+                                      "float8": 4500 * _TFLOPs, "float32": 80 * _TFLOPs,
+                                      "tfloat32": 1125 * _TFLOPs}, 180e9, 8e12),
 }
 _LEVELS = {
     "h100": (LinkLevel("nvlink4", 450 * _GBps, 3e-6), LinkLevel("ib-400g", 50 * _GBps, 10e-6)),
