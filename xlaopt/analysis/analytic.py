@@ -319,7 +319,8 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: T
     dev = topology.device
     head_f = shape.head_forward_flops(layer.tokens) / layout.tp
     mm_max = eff.matmul_max_for(dev.name)
-    return (1 if shape.frozen_head else 3) * cm.matmul_time_s(head_f, dev.peak_flops["bfloat16"], head_f, mm_max, eff.matmul_half_flops) + \
+    passes = 1 if shape.frozen_head else 3
+    return passes * cm.matmul_time_s(head_f, dev.peak_flops["bfloat16"], head_f, mm_max, eff.matmul_half_flops) + \
         cm.memory_time_s(_LOSS_BYTES_PER_LOGIT * layer.tokens * shape.vocab / layout.tp, dev.hbm_bytes_per_s)
 
 

@@ -51,7 +51,8 @@ def _run_meta(program: TrainProgram, loader) -> dict:
     # `execution` is a record of how the run executed; a resume never compares it.
     return {"model": program.model.name, "config": dataclasses.asdict(program.model),
             "seed": program.settings.seed, "batch": dataclasses.asdict(program.settings.batch),
-            "trainable": program.settings.trainable, "execution": dataclasses.asdict(program.execution), "mesh": program.mesh.as_dict(),
+            "trainable": program.settings.trainable, "execution": dataclasses.asdict(program.execution),
+            "mesh": program.mesh.as_dict(),
             "data": loader.state().to_json() if loader is not None else None}
 
 
