@@ -296,3 +296,27 @@ def test_the_plan_states_the_best_layout_for_each_stage_count(tmp_path, capsys):
     program = result.program_for(result.best.candidate)
     assert program.mesh.size("stage") == 2 and program.execution.micro_batches == 1
     assert program.pipeline_schedule.microbatches == result.best.candidate.micro_batches
+
+
+def test_a_plan_that_fits_nowhere_names_a_topology_where_the_same_plan_fits():
+    """The larger topology the message names is searched over the plan's own space (its remat
+    policies, stages): planned there with the same options, a layout fits."""
+    import re
+
+    from xlaopt.analysis.priced_batch import synthetic_batch
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.build import build_program
+    from xlaopt.errors import UserError
+    from xlaopt.planning.planner import plan
+
+    def planned(spec: str):
+        topology = parse_topology(spec)
+        program = build_program(get_config("llama3-70b"), batch=BatchShape(topology.num_devices, 4096, 0),
+                                target="gpu", execution=ExecutionConfig(attention="cudnn"))
+        return plan(program, topology, synthetic_batch(program), top=0, remats=("none",), precisions=("bfloat16",))
+
+    with pytest.raises(UserError) as refused:
+        planned("h100:1x8")
+    named = re.search(r"the smallest h100 topology where a layout fits is (h100:\d+x8)", str(refused.value))
+    assert named, refused.value
+    assert planned(named.group(1)).best.analytic.memory_bytes <= parse_topology("h100:1x8").device.hbm_bytes

@@ -124,7 +124,7 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     from xlaopt.analysis.attention_work import batch_work
 
     precisions = _precisions_for(topology, precisions)
-    stages = _stages_for(topology, stages)
+    asked_stages, stages = stages, _stages_for(topology, stages)
     work = batch_work(program.replace(mesh=MeshSpec()), batch.arrays)  # the batch's work, not a layout's
     shape = _shape(program, work, batch)
     space, rejected = enumerate_space(program.model, program.settings.batch, topology.num_devices,
@@ -143,7 +143,10 @@ def plan(program: TrainProgram, topology: Topology, batch: PricedBatch, top: int
     for p in unfit:
         p.reason = f"needs {p.analytic.memory_bytes / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} (analytic)"
     if not fits:
-        raise UserError(_no_fit_message(program, topology, unfit, shape, dense, traced.get(("bfloat16", "compute"))))
+        # Larger topologies are searched over the same space (remats, split of the residual
+        # stream, stages), so the one the message names is one this plan would find a fit on.
+        raise UserError(_no_fit_message(program, topology, unfit, shape, dense, traced.get(("bfloat16", "compute")),
+                                        dict(sequence_parallel=sequence_parallel, remats=remats), asked_stages))
     fits.sort(key=_rank_key)
 
     method = compile_method(program.target, topology.num_devices) if top > 0 or exhaustive else None
@@ -395,7 +398,8 @@ def nearest_working(value: int, works) -> int | None:
 
 
 def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Priced], shape, dense: bool,
-                    traced: dict[str, float] | None) -> str:
+                    traced: dict[str, float] | None, space_options: dict | None = None,
+                    stages: tuple[int, ...] | None = None) -> str:
     least = min(unfit, key=lambda p: p.analytic.memory_bytes)
     hbm = topology.device.hbm_bytes
     name = topology.name.split(":")[0]
@@ -409,7 +413,8 @@ def _no_fit_message(program: TrainProgram, topology: Topology, unfit: list[Price
             break
         b = dataclasses.replace(program.settings.batch, batch_size=rows_per_device * bigger.num_devices)
         space, _ = enumerate_space(program.model, b, bigger.num_devices, bigger.devices_per_node,
-                                   program.execution.attention, ("bfloat16",))
+                                   program.execution.attention, ("bfloat16",), **(space_options or {}),
+                                   stages=_stages_for(bigger, stages), target=program.target)
         if any(price(c, shape, b, bigger, program.target, dense, efficiency_for(bigger), traced).memory_bytes <= hbm
                for c in space):
             smallest = bigger.name
