@@ -178,3 +178,24 @@ def test_the_analytic_price_drops_the_frozen_backward_and_state():
     head = analytic._head_s(analytic._layer(shape, layout, h100, sw, cm.FITTED), shape, layout, h100, cm.FITTED)
     assert analytic.price_step(nothing, layout, h100, sw, cm.FITTED).compute_s == pytest.approx(
         layout.micro_batches * (shape.layers * forward + head))
+
+
+def test_the_planner_plans_a_frozen_reasoner_from_its_rows():
+    """`plan --trainable generator` end to end: the shape the planner prices from the rows freezes
+    the text tokens, their share of the attention, one tower of two and the head."""
+    from xlaopt.analysis.priced_batch import synthetic_batch
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.build import build_program
+    from xlaopt.planning.planner import plan
+
+    best = {}
+    for trainable in ("all", "generator"):
+        program = build_program(COSMOS3_TINY, batch=BatchShape(8, 48, 96), target="gpu", trainable=trainable,
+                                execution=ExecutionConfig(attention="cudnn"))
+        result = plan(program, parse_topology("h100:1x8"), synthetic_batch(program), top=0, remats=("full",),
+                      precisions=("bfloat16",), stages=(1,))
+        best[trainable] = {p.candidate: p.analytic for p in result.ranked}
+    shared = set(best["all"]) & set(best["generator"])
+    assert shared and all(best["generator"][c].memory_parts["state"] < best["all"][c].memory_parts["state"]
+                          and best["generator"][c].breakdown.compute_s < best["all"][c].breakdown.compute_s
+                          for c in shared)

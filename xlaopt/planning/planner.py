@@ -327,10 +327,12 @@ def _shape(program: TrainProgram, work, batch: PricedBatch):
     pairs = work.pairs_executed if work.pairs_executed is not None else work.pairs_needed
     text = float((batch.arrays["text_segment_ids_BT"] > 0).sum())
     gen = float((batch.arrays["gen_segment_ids_BV"] > 0).sum())
-    # The reasoner's own attention comes first (`cosmos3.attention_calls`): its share of the pairs.
-    per_call = [float(needed_pairs(q, k).sum()) for q, k in family_of(program.model).attention_calls(batch.arrays)]
+    trainable, text_attention = program.settings.trainable, 0.0
+    if trainable != "all":  # the reasoner's own attention comes first (`cosmos3.attention_calls`): its share
+        per_call = [float(needed_pairs(q, k).sum()) for q, k in family_of(program.model).attention_calls(batch.arrays)]
+        text_attention = per_call[0] / max(sum(per_call), 1.0)
     return analytic_shape(program.model, pairs / program.settings.batch.batch_size, text / max(text + gen, 1.0),
-                          program.settings.trainable, per_call[0] / max(sum(per_call), 1.0))
+                          trainable, text_attention)
 
 
 def _baseline_options(priced: list[Priced], topology: Topology) -> list[Priced]:

@@ -105,7 +105,7 @@ def analytic_shape(config, pairs_executed_per_row: float | None = None, text_fra
     from xlaopt.families import family_of
 
     family = family_of(config)
-    if trainable != "all" and trainable not in family.trainable_names:
+    if trainable not in family.trainable_names:
         raise ValueError(f"trainable={trainable!r}: the {family.name} family's sets are {family.trainable_names}")
     if not family.has_layer_stack:
         return conv_shape(config)
