@@ -12,6 +12,7 @@ from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.families import family_of
 from xlaopt.mesh import MeshSpec
+from xlaopt.models.cosmos3 import GENERATOR_SET
 from xlaopt.models.flops import forward_flops_by_tower
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
@@ -36,7 +37,7 @@ def _paths(tree) -> dict:
 
 
 def _generator(path: str) -> bool:
-    return path.startswith(("generator_io/", "generator_final_norm/", "layers/generator/"))
+    return (path + "/").startswith(GENERATOR_SET)
 
 
 def test_the_trained_gradients_are_those_of_training_everything_and_the_reasoner_runs_no_backward():
