@@ -96,6 +96,32 @@ def test_the_local_tier_must_be_local_writable_and_match_the_job(tmp_path):
     node_local.check_peers(3, 4)
 
 
+def test_verify_passes_over_a_save_a_stop_cut_short_but_not_over_damage(tmp_path, capsys):
+    tree = _tree()
+
+    def write(step, owner, holder=None):
+        path = local.process_dir(tmp_path, owner if holder is None else holder) / local.file_name(step, owner)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(local_format.pack(step, tree, {}, owner, 2))
+        return path
+
+    for owner in (0, 1):
+        write(30, owner)
+    write(35, 0)  # killed between the two processes' saves of step 35
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0
+    assert "step 35: a save the job's stop interrupted" in capsys.readouterr().out
+    assert local.verify_tier(tmp_path, 35)["ok"] is False  # asked for by name, it is not whole
+    # A damaged file is damage, newest or not; and a step older than a whole one is not in progress.
+    damaged = write(35, 1)
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    assert main(["ckpt", "verify", str(tmp_path)]) == 1
+    damaged.unlink()
+    for owner in (0, 1):
+        write(40, owner)
+    result = local.verify_tier(tmp_path)
+    assert not result["ok"] and "in_progress" not in result and result["steps"][35]
+
+
 TINY = ["--model", "llama-tiny", "--set", "num_layers=1", "--set", "d_model=64", "--set", "mlp_dim=128",
         "--set", "vocab_size=256", "--mesh", "data=2", "--dtype", "float32", "--batch-size", "4", "--text-len", "32",
         "--no-progress"]

@@ -178,7 +178,10 @@ def _all_files(root: pathlib.Path) -> list[tuple[int, int, pathlib.Path]]:
 
 def verify_tier(root, step: int | None = None) -> dict:
     """Every file's checksum and header; a step is whole when each process's shards have a sound
-    copy somewhere (`faults` per step: the damaged files, and the processes no sound copy covers)."""
+    copy somewhere (`faults` per step: the damaged files, and the processes no sound copy covers).
+    `in_progress`: the newest step when a stop cut its save short, every file of it sound but some
+    processes' never written; restores pass over it (`newest_complete`), as over a persistent
+    tier's uncommitted step, so it is no fault. A damaged file is a fault at any step."""
     root = pathlib.Path(root)
     files = [f for f in _all_files(root) if step is None or f[0] == step]
     if not files:
@@ -194,10 +197,15 @@ def verify_tier(root, step: int | None = None) -> dict:
             sound.setdefault(s, set()).add(owner)
         except CheckpointError as e:
             faults.append(str(e))
+    unwritten = {}
     for s, faults in result["steps"].items():
         missing = sorted(set(range(counts.get(s, 0))) - sound.get(s, set())) if s in counts else ["all"]
         if missing:
+            unwritten[s] = not faults and s in counts
             faults.append(f"step {s}: no sound copy of process {', '.join(map(str, missing))}'s shards")
+    newest = max(result["steps"])
+    if step is None and len(result["steps"]) > 1 and unwritten.get(newest):
+        result["in_progress"] = {newest: result["steps"].pop(newest)[0]}
     result["ok"] = not any(result["steps"].values())
     return result
 

@@ -60,6 +60,8 @@ def run(request: CkptRequest) -> int:
             print(f"step {step}: " + ("ok" if not faults else f"{len(faults)} fault(s)"))
             for fault in faults:
                 print(f"  {fault}")
+        for step, why in result.get("in_progress", {}).items():
+            print(f"step {step}: a save the job's stop interrupted, passed over by restores ({why})")
         code = 0 if result["ok"] else 1
     elif request.command == "diff":
         a, b = request.dirs
