@@ -122,3 +122,8 @@ def test_a_gpu_decode_step_reads_weights_and_cache_in_place(monkeypatch):
     # Both layers' keys and values, and the cache length: aliased to the outputs.
     assert hlo.count("may-alias") + hlo.count("must-alias") >= 4
     assert r["cache_aliased"] and r["step_over_floor"] >= 1.0
+    # Every tensor-parallel all-reduce (8 rows of d_model in bf16) is annotated for XLA's one-shot
+    # kernel, which the option runs. Over two GPUs it takes NCCL's two latency steps, so the prices
+    # agree; the saving is over more (tests/test_all_reduce_kernels.py).
+    assert r["kernel_all_reduces"] == r["all_reduces"] >= 4
+    assert r["step_time_s"] == pytest.approx(r["step_time_nccl_s"], rel=0.01)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from xlaopt.analysis.topology import LinkLevel, Topology
+from xlaopt.analysis.topology import SIMULATED_CPU, LinkLevel, Topology
 
 COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -208,6 +208,53 @@ def collective_time_s(kind: str, volume_bytes: float, span: GroupSpan, topology:
         tree = (ring_time_s(kind, volume_bytes, span.per_node, inner, eff.nvlink)
                 + tree_all_reduce_time_s(volume_bytes / span.per_node, span.nodes, outer, eff.network))
     return min(ring, tree) if kind == "all-reduce" else ring
+
+
+# XLA's own all-reduce kernels (jax 0.10.2's XLA, `CollectiveKernelThunk`): run instead of NCCL when
+# the program is compiled with `ALL_REDUCE_KERNELS_OPTION`, for a single array of bf16 or f32 (a sum)
+# over at most 8 GPUs of one host with peer access. Each GPU copies its input into a buffer its peers
+# can read; one-shot (to 256 KiB): after a barrier every GPU reads all its peers' inputs over NVLink
+# and sums them, then a closing barrier; two-shot (to 2 MiB): every GPU sums its 1/n slice from all
+# peers, a barrier, then reads the other slices' sums. XLA annotates each eligible all-reduce with
+# its strategy (`kernel_strategy` in the backend config) whether or not the option is set; the option
+# decides at run time. Checked on the installed plugin by tests/test_all_reduce_kernels.py.
+ALL_REDUCE_KERNELS_OPTION = "xla_gpu_unsupported_use_all_reduce_one_shot_kernel"
+ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, KERNEL_MAX_RANKS = 256 * 1024, 2 * 1024 * 1024, 8
+
+
+def kernel_strategy(volume_bytes: float, span: GroupSpan) -> str | None:
+    """"one-shot" or "two-shot" where XLA runs its own kernel for an all-reduce of this size over
+    this group (with `ALL_REDUCE_KERNELS_OPTION` set), else None (NCCL)."""
+    if span.nodes != 1 or not 1 < span.per_node <= KERNEL_MAX_RANKS or volume_bytes <= 0:
+        return None
+    if volume_bytes <= ONE_SHOT_MAX_BYTES:
+        return "one-shot"
+    return "two-shot" if volume_bytes <= TWO_SHOT_MAX_BYTES else None
+
+
+def kernel_all_reduce_time_s(strategy: str, volume_bytes: float, n: int, level: LinkLevel, link_eff: float,
+                             hbm_bytes_per_s: float) -> float:
+    """One of XLA's all-reduce kernels: the input copied to the peer-readable buffer (HBM), one
+    latency a barrier, and the bytes each GPU reads from its peers over NVLink."""
+    if n <= 1 or volume_bytes <= 0:
+        return 0.0
+    bandwidth = level.bytes_per_s * link_eff
+    copy = 2 * volume_bytes / hbm_bytes_per_s
+    if strategy == "one-shot":
+        return 2 * level.latency_s + (n - 1) * volume_bytes / bandwidth + copy
+    if strategy == "two-shot":
+        return 3 * level.latency_s + 2 * (n - 1) / n * volume_bytes / bandwidth + copy
+    raise ValueError(f"all-reduce kernel strategy {strategy!r}; use 'one-shot' or 'two-shot'")
+
+
+def serving_all_reduce_time_s(volume_bytes: float, span: GroupSpan, topology: Topology, eff: Efficiency) -> float:
+    """An all-reduce of a serving step, compiled with `ALL_REDUCE_KERNELS_OPTION`: XLA's kernel
+    where it runs one, else NCCL's algorithms (and on simulated CPU devices, which have neither)."""
+    strategy = kernel_strategy(volume_bytes, span) if topology.device.name != SIMULATED_CPU else None
+    if strategy is None:
+        return collective_time_s("all-reduce", volume_bytes, span, topology, eff)
+    return kernel_all_reduce_time_s(strategy, volume_bytes, span.per_node, topology.levels[0], eff.nvlink,
+                                    topology.device.hbm_bytes_per_s)
 
 
 def send_time_s(volume_bytes: float, level: LinkLevel, link_eff: float) -> float:

@@ -23,6 +23,9 @@ _DOT_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 _FULL_F32 = re.compile(r"operand_precision=\{highest|\"HIGHEST\"|algorithm=dot_f32_f32_f32|ALG_DOT_F32_F32_F32")
 
 
+_KERNEL_STRATEGY = re.compile(r'"kernel_strategy":"KERNEL_STRATEGY_TRITON_(ONE_SHOT|TWO_SHOT)"')
+
+
 def _tensor_core_type(element_type: str, attrs: str) -> str:
     """The operand type a matmul's tensor cores take: "tf32" for f32 at default precision."""
     return "tf32" if element_type == "f32" and not _FULL_F32.search(attrs) else element_type
@@ -38,6 +41,10 @@ class CollectiveInfo:
     # slice (a dynamic-slice by partition): a reduce-scatter in all but name. XLA's CPU pipeline
     # leaves FSDP gradient reductions in this form; GPU pipelines rewrite them to reduce-scatter.
     scattered_fraction: float = 0.0
+    # All-reduce on the GPU target: "one-shot" or "two-shot" where XLA annotated it for its own
+    # kernel (`costmodel.kernel_strategy`), which runs instead of NCCL only under
+    # `costmodel.ALL_REDUCE_KERNELS_OPTION`; "" otherwise.
+    kernel: str = ""
 
     @property
     def group_size(self) -> int:
@@ -315,7 +322,9 @@ class HloReader:
             else:
                 narrow = nbytes
         scattered = self._scattered_fraction(comp, ins, size) if ins.opcode == "all-reduce" else 0.0
-        return CollectiveInfo(read.kind, nbytes, narrow, groups, scattered)
+        kernel = _KERNEL_STRATEGY.search(ins.attrs) if read.kind == "all-reduce" else None
+        return CollectiveInfo(read.kind, nbytes, narrow, groups, scattered,
+                              kernel.group(1).lower().replace("_", "-") if kernel else "")
 
     @_per_instance
     def is_roundtrip(self, comp: str | None) -> bool:

@@ -167,13 +167,20 @@ _POINT_TO_POINT = ("collective-permute", "send", "recv")
 
 
 def hlo_collective_time_s(info: CollectiveInfo, topology: Topology, eff: costmodel.Efficiency = costmodel.FITTED,
-                      cpu_fixups: bool = False) -> float:
-    """Time of one execution of a collective on `topology` (logical devices placed by its `placement`)."""
+                          cpu_fixups: bool = False, kernels: bool = False) -> float:
+    """Time of one execution of a collective on `topology` (logical devices placed by its `placement`);
+    `kernels`: compiled with `costmodel.ALL_REDUCE_KERNELS_OPTION`, so an all-reduce XLA annotated
+    for its own kernel runs it, where the group is one host's (XLA checks that at run time)."""
     volume = info.narrow_bytes if cpu_fixups else info.bytes
     if not info.replica_groups or volume <= 0:
         return 0.0
     if info.kind not in _POINT_TO_POINT and len(info.replica_groups[0]) <= 1:
         return 0.0
+    if kernels and info.kernel:
+        span = _span(info.replica_groups[0], topology)
+        if costmodel.kernel_strategy(volume, span) is not None:
+            return costmodel.kernel_all_reduce_time_s(info.kernel, volume, span.per_node, topology.levels[0],
+                                                      eff.nvlink, topology.device.hbm_bytes_per_s)
     return _PRICES[info.kind](info, volume, topology, eff, cpu_fixups)
 
 
@@ -197,9 +204,10 @@ class _Run:
     and what has been accounted; one method per op kind (see `_HANDLERS`)."""
 
     def __init__(self, topology: Topology, mesh_shape: dict[str, int] | None, eff: costmodel.Efficiency,
-                 matmul_dtype: str | None, cpu_fixups: bool, keep_timeline: bool):
+                 matmul_dtype: str | None, cpu_fixups: bool, keep_timeline: bool, kernels: bool = False):
         self.topology, self.mesh_shape, self.eff = topology, mesh_shape, eff
         self.matmul_dtype, self.cpu_fixups, self.keep_timeline = matmul_dtype, cpu_fixups, keep_timeline
+        self.kernels = kernels
         self.tc = 0.0  # when the compute stream is next free
         self.t_out = self.t_in = 0.0  # when the links' outgoing / incoming directions are next free
         self.t_copy = 0.0  # when the copy stream is next free
@@ -251,7 +259,7 @@ class _Run:
     def _collective_time(self, op: Op) -> float:
         if op.host_transfer:  # a send / recv between host and device: priced as a host copy
             return copy_time_s(dataclasses.replace(op, bytes=op.collective.bytes), self.topology)
-        return hlo_collective_time_s(op.collective, self.topology, self.eff, self.cpu_fixups)
+        return hlo_collective_time_s(op.collective, self.topology, self.eff, self.cpu_fixups, self.kernels)
 
     def _wait(self, name: str, end: float, axes: str) -> float:
         """Compute waits for something ending at `end`: the exposed time."""
@@ -399,9 +407,10 @@ _HANDLERS = {
 
 def simulate(schedule: Schedule, topology: Topology, mesh_shape: dict[str, int] | None = None,
              eff: costmodel.Efficiency = costmodel.FITTED, matmul_dtype: str | None = None,
-             cpu_fixups: bool = False, keep_timeline: bool = True) -> SimResult:
-    """Run the schedule's ops through the compute, communication and copy streams."""
-    run = _Run(topology, mesh_shape, eff, matmul_dtype, cpu_fixups, keep_timeline)
+             cpu_fixups: bool = False, keep_timeline: bool = True, kernels: bool = False) -> SimResult:
+    """Run the schedule's ops through the compute, communication and copy streams (`kernels`: the
+    program was compiled with XLA's all-reduce kernels on, `hlo_collective_time_s`)."""
+    run = _Run(topology, mesh_shape, eff, matmul_dtype, cpu_fixups, keep_timeline, kernels)
     spans = {loop["name"]: loop["ops"] for loop in schedule.loops if "ops" in loop}
     marks = {i for span in spans.values() for i in span}
     clock: dict[int, float] = {}

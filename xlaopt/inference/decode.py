@@ -22,6 +22,10 @@ and the outputs are constrained by logical axes (`K_CACHE_AXES`, `V_CACHE_AXES`,
 inputs were compiled to be, and the donated cache keeps one layout. The step runs layer by layer
 over weights split once from the training stack (`layer_params`), so that every matmul reads its
 weights and every attention its cache in place, as a decode step at the HBM floor must.
+
+Serving executables are compiled with `SERVING_XLA_OPTIONS`: XLA's own all-reduce kernels, which
+on one host's GPUs run a token step's small tensor-parallel all-reduces (rows x d_model) in about
+half NCCL's latency (`analysis.costmodel.kernel_all_reduce_time_s`); elsewhere the option is inert.
 """
 from __future__ import annotations
 
@@ -37,11 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from xlaopt.analysis.costmodel import ALL_REDUCE_KERNELS_OPTION
 from xlaopt.errors import UserError
 from xlaopt.models import cosmos3, decoder
 from xlaopt.models.attention import attention
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.layers import RMSNorm, constrain, embedding_lookup
+
+SERVING_XLA_OPTIONS = {ALL_REDUCE_KERNELS_OPTION: True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +297,7 @@ class Decoding:
         else:  # the cache (argument 2) is donated: each step updates it in place
             jitted = jax.jit(lambda p, tok, c, k, t: fn(self.tower, p, tok, c, k, t, greedy), donate_argnums=(2,))
         with self._on_mesh(args[1].shape[0]):
-            exe = jitted.lower(*args).compile()
+            exe = jitted.lower(*args).compile(compiler_options=SERVING_XLA_OPTIONS)
         self._compiled[cache_key] = exe
         return exe, time.perf_counter() - t0
 

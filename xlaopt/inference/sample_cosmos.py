@@ -61,7 +61,7 @@ from xlaopt.data.batch import BatchShape, cosmos3_batch_spec
 from xlaopt.data.packing import fill_row
 from xlaopt.data.sample import Sample
 from xlaopt.errors import UserError
-from xlaopt.inference.decode import CACHE_AXES
+from xlaopt.inference.decode import CACHE_AXES, SERVING_XLA_OPTIONS
 from xlaopt.inference.flow_schedule import FlowSchedule, euler_step, heun_step
 from xlaopt.models import cosmos3
 from xlaopt.models.cosmos3 import VIDEO, Cosmos3
@@ -324,7 +324,7 @@ class CosmosSampler:
         on_mesh = contextlib.nullcontext() if self.placement is None else self.placement.tracing(rows)
         lengths = [args[1][k].shape[1] for k in ("text_segment_ids_BT", "gen_segment_ids_BV") if k in args[1]]
         with on_mesh, ulysses(self.placement, self.model.config, lengths):
-            exe = jax.jit(fn, out_shardings=out_shardings).lower(*args).compile()
+            exe = jax.jit(fn, out_shardings=out_shardings).lower(*args).compile(compiler_options=SERVING_XLA_OPTIONS)
         self._compiled[key] = exe
         return exe, time.perf_counter() - t0
 

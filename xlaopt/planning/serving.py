@@ -81,9 +81,10 @@ def _kv_heads_per_rank(config, tp: int) -> float:
 
 
 def _tp_all_reduces(rows_tokens: float, config, tp: int, topology: Topology, eff: cm.Efficiency) -> float:
-    """One layer's two activation all-reduces (attention out, MLP out) over the tensor group."""
+    """One layer's two activation all-reduces (attention out, MLP out) over the tensor group, as a
+    serving step compiled with XLA's all-reduce kernels runs them."""
     span = cm.group_span(tp, 1, topology.devices_per_node)
-    return 2 * cm.collective_time_s("all-reduce", rows_tokens * config.d_model * _BF16, span, topology, eff)
+    return 2 * cm.serving_all_reduce_time_s(rows_tokens * config.d_model * _BF16, span, topology, eff)
 
 
 def price_decode(config, request: Request, dp: int, tp: int, topology: Topology, eff: cm.Efficiency) -> ServingPrice:

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from xlaopt.analysis.topology import Topology
 from xlaopt.compiler import cache as compile_cache
 from xlaopt.errors import UserError
+from xlaopt.inference.decode import SERVING_XLA_OPTIONS
 from xlaopt.mesh import MESH_AXES, MeshSpec, make_mesh
 from xlaopt.sharding import Rule
 
@@ -73,22 +74,28 @@ def _heads_per_call(config, spec: MeshSpec) -> int:
 
 def _priced(compiled, spec: MeshSpec, topology: Topology, target: str, dtype: str,
             custom_call_flops: dict | None = None) -> dict:
-    """A compiled step's simulated time and memory on the topology."""
+    """A compiled step's simulated time and memory on the topology; on the GPU target with XLA's
+    all-reduce kernels, as it was compiled (`SERVING_XLA_OPTIONS`), and `step_time_nccl_s` with
+    every all-reduce on NCCL instead (the option changes no HLO, only which thunk runs)."""
     from xlaopt.analysis.costmodel import serving_efficiency
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.simulate import simulate
 
     text = compiled.as_text()
     cpu = target == "cpu"
-    sim = simulate(build_schedule(text, custom_call_flops=custom_call_flops), topology.placed(spec.placement()),
-                   spec.as_dict(), eff=serving_efficiency(topology), matmul_dtype=dtype if cpu else None,
-                   cpu_fixups=cpu, keep_timeline=False)
+    schedule = build_schedule(text, custom_call_flops=custom_call_flops)
+    sims = [simulate(schedule, topology.placed(spec.placement()), spec.as_dict(), eff=serving_efficiency(topology),
+                     matmul_dtype=dtype if cpu else None, cpu_fixups=cpu, keep_timeline=False, kernels=kernels)
+            for kernels in (not cpu, False)]
+    sim = sims[0]
     memory = compiled.memory_analysis()
-    return {"step_time_s": sim.step_time_s, "compute_s": sim.compute_s, "comm_s": sim.comm_s,
-            "exposed_comm_s": sim.exposed_comm_s,
+    return {"step_time_s": sim.step_time_s, "step_time_nccl_s": sims[1].step_time_s, "compute_s": sim.compute_s,
+            "comm_s": sim.comm_s, "exposed_comm_s": sim.exposed_comm_s,
             "memory": {"arguments": int(memory.argument_size_in_bytes), "temp": int(memory.temp_size_in_bytes),
                        "aliased": int(memory.alias_size_in_bytes)},
-            "all_reduces": text.count("all-reduce-start(") + text.count(" all-reduce(")}
+            "all_reduces": text.count("all-reduce-start(") + text.count(" all-reduce("),
+            "kernel_all_reduces": sum(1 for op in schedule.ops if op.kind in ("collective", "collective-start")
+                                      and op.collective.kernel)}
 
 
 def _served_params(config, execution, placement, dtype):
@@ -153,7 +160,7 @@ def analyze_denoise(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: T
     for name, (fn, args) in ((n, steps[n]) for n in which):
         t0 = time.perf_counter()
         with placement.tracing(R), sc.ulysses(placement, config, (text, gen)), _cache_for(target):
-            compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile()
+            compiled = jax.jit(fn, out_shardings=x.sharding).lower(*args).compile(compiler_options=SERVING_XLA_OPTIONS)
         # On the GPU the attention is cuDNN's: its FLOPs, per device (rows over data, heads over tensor).
         fused = fused_attention_flops(compiled.as_text(), _heads_per_call(config, spec), config.head_dim,
                                       max(1, R // spec.size("data"))) if target == "gpu" else None
@@ -222,7 +229,7 @@ def analyze_decode(config, spec: MeshSpec, rules: tuple[Rule, ...], topology: To
     with placement.tracing(rows):
         lowered = jax.jit(functools.partial(decode_step, tower), donate_argnums=(2,)).lower(params, token, cache)
     with _cache_for(target):
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=SERVING_XLA_OPTIONS)
     compile_s = time.perf_counter() - t0
     data = spec.size("data") * spec.size("fsdp")
     analytic = price_decode(config, Request("decode", rows, context), data, spec.size("tensor"), topology,
@@ -252,5 +259,7 @@ def format_decode(r: dict) -> str:
         f"{r['compute_s'] * 1e3:.2f} ms   comm {r['comm_s'] * 1e3:.2f} ms   exposed {r['exposed_comm_s'] * 1e3:.2f} ms",
         f"memory per device: arguments {r['memory']['arguments'] / gib:.2f} GiB (weights and cache; analytic "
         f"{r['analytic_memory_bytes'] / gib:.2f} GiB), temp {r['memory']['temp'] / gib:.2f} GiB; cache updated in "
-        f"place: {'yes' if r['cache_aliased'] else 'no'}; {r['all_reduces']} all-reduces; compile {r['compile_s']:.1f} s",
+        f"place: {'yes' if r['cache_aliased'] else 'no'}; {r['all_reduces']} all-reduces, {r['kernel_all_reduces']} "
+        f"of them XLA's kernels (all on NCCL: {r['step_time_nccl_s'] * 1e3:.2f} ms a step); compile "
+        f"{r['compile_s']:.1f} s",
     ])
