@@ -62,3 +62,16 @@ def test_a_compile_reports_what_xla_logged_during_it(capfd):
     assert [n.split(" (")[0] for n in compiled.compiler_notes] == [
         "XLA's rematerialization could not bring the step under its memory target",
         "XLA could reshard a tensor only by replicating it"]
+
+
+def test_every_compiling_command_takes_the_verbose_its_notes_name(monkeypatch):
+    import xlaopt.cli as cli
+
+    seen = []
+    monkeypatch.setattr(compiler_log, "show_raw", seen.append)
+    for command in ("train", "verify", "analyze", "inspect", "plan"):
+        monkeypatch.setitem(cli._COMMANDS, command, lambda args: 0)
+        for verbose in (True, False):
+            topology = ["--topology", "h100:1x8"] if command in ("analyze", "plan") else []
+            assert cli.main([command, "--model", "llama-tiny", *topology, *(["--verbose"] if verbose else [])]) == 0
+    assert seen == [True, False] * 5

@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_counts(args)  # before any work, as the outputs: a bad value costs no compile,
         check_outputs(_command_words(args), vars(args))  # and an unwritable output cannot lose a finished run's results
         if "compile_cache" in vars(args):  # a command that compiles (flags.compile_cache_args)
-            from xlaopt.compiler import cache as compile_cache
+            from xlaopt.compiler import cache as compile_cache, log as compiler_log
+
+            compiler_log.show_raw(args.verbose)
 
             # An unwritable directory: exit 2 before any work. A launcher (`train --processes N`)
             # compiles nothing: it checks the directory without importing JAX; its processes use it.

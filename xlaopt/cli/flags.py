@@ -19,6 +19,9 @@ def compile_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=None, metavar="DIR|off",
                    help="JAX's persistent compilation cache: a start or restart loads the programs an earlier run "
                         "compiled (default: $XLAOPT_CACHE/jax-compile, else ~/.cache/xlaopt/jax-compile; off: none)")
+    p.add_argument("--verbose", action="store_true",
+                   help="let XLA's own log lines through as they are while compiling (by default each kind of "
+                        "trouble they report becomes one note beside the answer)")
 
 
 def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
