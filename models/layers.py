@@ -146,30 +146,34 @@ def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[str
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), jnp.float32)
 
 
-def embedding_lookup(table_XD: jax.Array, ids, row_axis: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embedding_lookup(table_XD: jax.Array, ids_BT, row_axis: str) -> jax.Array:
     """Rows of a table; the table is first made whole along embed (as FSDP gathers any
     weight before use) so the output can take the batch sharding without the partitioner
     falling back to a full rematerialisation."""
-    return jnp.take(_whole_along_embed(table_XD, row_axis), ids, axis=0)
+    return jnp.take(constrain(table_XD, (row_axis, "act_embed")), ids_BT, axis=0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _whole_along_embed(table_XD: jax.Array, row_axis: str) -> jax.Array:
-    return constrain(table_XD, (row_axis, "act_embed"))
+def _embedding_lookup_fwd(table_XD, ids_BT, row_axis):
+    return embedding_lookup(table_XD, ids_BT, row_axis), (table_XD, ids_BT)
 
 
-def _whole_along_embed_fwd(table_XD, row_axis):
-    return _whole_along_embed(table_XD, row_axis), None
+def _embedding_lookup_bwd(row_axis, saved, grad_BTD):
+    table_XD, ids_BT = saved
+    # The table's gradient goes straight to the parameter's own sharding, as FSDP reduce-scatters
+    # any weight's (transposing the forward's constraint would first make the whole table's
+    # gradient replicated: one all-reduce over every device, across the network under HSDP). The
+    # rows scattered into it first leave the FSDP axis for the model dimension, one all-to-all:
+    # left to the partitioner, a batch over data x fsdp going to embed over fsdp became
+    # "Involuntary full rematerialization" (the whole activation gathered on every device, every
+    # micro-batch) under HSDP. Written embed first, the rule table gives embed fsdp and the rows
+    # the rest of their axes (the fallback `batch` rule), so the reshard is an all-to-all over fsdp.
+    grad_DBT = constrain(jnp.moveaxis(grad_BTD, -1, 0), ("embed", "batch", "seq")[:grad_BTD.ndim])
+    grad_XD = jnp.zeros(table_XD.shape, grad_BTD.dtype).at[ids_BT].add(jnp.moveaxis(grad_DBT, 0, -1))
+    return constrain(grad_XD, (row_axis, "embed")).astype(table_XD.dtype), None
 
 
-def _whole_along_embed_bwd(row_axis, _, grad_XD):
-    # The gradient goes straight to the parameter's own sharding, as FSDP reduce-scatters any
-    # weight's: transposing the forward constraint would first make the whole table's gradient
-    # replicated, one all-reduce over every device (across the network, under HSDP).
-    return (constrain(grad_XD, (row_axis, "embed")),)
-
-
-_whole_along_embed.defvjp(_whole_along_embed_fwd, _whole_along_embed_bwd)
+embedding_lookup.defvjp(_embedding_lookup_fwd, _embedding_lookup_bwd)
 
 
 @jax.custom_vjp

@@ -31,6 +31,9 @@ Rule = tuple[str, tuple[str, ...]]
 DEFAULT_RULES: tuple[Rule, ...] = (
     # activations (rows over the pipeline's stages too: `xlaopt.models.pipeline`)
     ("batch", ("data", "fsdp", "stage")),
+    # Rows where an earlier dimension took fsdp: the embedding's gradient, moved to the model
+    # dimension's FSDP split before its scatter (`models.layers.embedding_lookup`).
+    ("batch", ("data", "stage")),
     ("seq", ("context",)),
     ("residual_seq", ("context",)),  # `with_sequence_parallel` adds tensor
     ("act_heads", ("tensor",)),
@@ -93,7 +96,10 @@ class RuleUse:
     applied: set = dataclasses.field(default_factory=set)
 
     def unused(self, rules: Sequence[Rule]) -> list[str]:
-        return [f"{l} -> {','.join(m)}" for l, m in rules if (l, m) not in self.applied]
+        """Rules for a logical axis no rule applied to (a fallback of one that did is not idle:
+        activations, which this does not see, may need it)."""
+        named = {logical for logical, _ in self.applied}
+        return [f"{l} -> {','.join(m)}" for l, m in rules if l not in named]
 
 
 def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], rules: Sequence[Rule],
