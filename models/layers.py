@@ -168,7 +168,7 @@ def _embedding_lookup_bwd(row_axis, saved, grad_BTD):
     # "Involuntary full rematerialization" (the whole activation gathered on every device, every
     # micro-batch) under HSDP. Written embed first, the rule table gives embed fsdp and the rows
     # the rest of their axes (the fallback `batch` rule), so the reshard is an all-to-all over fsdp.
-    grad_DBT = constrain(jnp.moveaxis(grad_BTD, -1, 0), ("embed", "batch", "seq")[:grad_BTD.ndim])
+    grad_DBT = constrain(jnp.moveaxis(grad_BTD, -1, 0), ("embed", "batch", "residual_seq")[:grad_BTD.ndim])
     grad_XD = jnp.zeros(table_XD.shape, grad_BTD.dtype).at[ids_BT].add(jnp.moveaxis(grad_DBT, 0, -1))
     return constrain(grad_XD, (row_axis, "embed")).astype(table_XD.dtype), None
 

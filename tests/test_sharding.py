@@ -80,7 +80,7 @@ def test_hsdp_moves_the_embedding_gradient_to_the_tables_split_without_replicati
     from xlaopt.compile import compile_program
 
     hsdp = MeshSpec.parse("data=2,fsdp=4")
-    assert logical_to_spec(("embed", "batch", "seq"), (64, 8, 16), DEFAULT_RULES, hsdp, "x") == P("fsdp", "data")
+    assert logical_to_spec(("embed", "batch", "residual_seq"), (64, 8, 16), DEFAULT_RULES, hsdp, "x") == P("fsdp", "data")
     compiled = compile_program(TrainProgram(get_config("llama-tiny", {"num_layers": 1}), hsdp))
     compiled.grads  # noqa: B018
     assert not [n for n in compiled.compiler_notes if "replicating" in n], compiled.compiler_notes
