@@ -104,8 +104,9 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     over `stage` on its layers axis, nothing else is; in the compiled step the sends
     (collective-permutes between the two stages, one pair per group) run once per tick in the
     forward loop and once in the backward's, and over `stage` alone there is nothing else but
-    the gathers of the stack's inputs, the reduce-scatter of its output and the all-reduces of
-    the gradients of what every stage holds whole (embedding, norms)."""
+    the gathers of the stack's inputs, the reduce-scatter of its output, the all-reduces of
+    the gradients of what every stage holds whole (embedding, norms) and the embedding
+    gradient's one all-to-all."""
     program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2,fsdp=2,tensor=2"),
                            settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=dataclasses.replace(PIPELINE, pipeline_microbatches=4))
@@ -121,7 +122,11 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     sends = [c for c in over_stage if c.kind == "collective-permute"]
     assert sorted(c.executions for c in sends) == [ticks, ticks], [(c.name, c.executions) for c in sends]
     assert all(len(g) == 2 for c in sends for g in c.replica_groups)
-    assert {c.kind for c in over_stage} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}
+    # and, once a step, the embedding gradient's rows moved to the table's FSDP split (an all-to-all
+    # XLA runs over stage here: the rows were split over fsdp and stage, `layers.embedding_lookup`).
+    assert {c.kind for c in over_stage} == {"collective-permute", "all-gather", "reduce-scatter", "all-reduce",
+                                            "all-to-all"}
+    assert [c.executions for c in over_stage if c.kind == "all-to-all"] == [1]
 
     # analyze states the schedule beside its price, and the bubble as priced: P - 1 of the ticks
     # of the step's two tick loops (forward and backward), each loop's time from the simulation.
