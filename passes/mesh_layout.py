@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.program import ProgramShardings, TrainProgram, TrainState
-from xlaopt.sharding import RuleUse, logical_to_spec
+from xlaopt.sharding import RuleUse, logical_to_spec, over_data
 from xlaopt.step import batch_spec, make_optimizer, trained_part
 from xlaopt.transforms.hierarchical_grads import path_name
 
@@ -40,7 +40,11 @@ class MeshLayout(Pass):
 
         state = ctx.cache.abstract_state(program)
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-        opt_specs = optax.tree_map_params(make_optimizer(program.settings), lambda _, spec: spec, state.opt_state,
+        # ZeRO-1: the moments split over data too (AdamW's count, a scalar, stays whole).
+        zero1 = program.execution.sharded_optimizer
+        opt_spec = (lambda leaf, spec: over_data(spec, leaf.shape, program.mesh)) if zero1 else (  # noqa: E731
+            lambda _, spec: spec)
+        opt_specs = optax.tree_map_params(make_optimizer(program.settings), opt_spec, state.opt_state,
                                           trained_part(program, param_specs, is_leaf=is_spec),
                                           transform_non_params=lambda _: PartitionSpec(), is_leaf=is_spec)
         batch_specs = {name: logical_to_spec(axes, shape, program.rules, program.mesh, f"batch array {name}", use)

@@ -41,6 +41,29 @@ def test_space_holds_dp_fsdp_hsdp_and_says_why_the_rest_cannot_be_built():
                "query heads of each tensor rank to split over context=4" for r in rejected)
 
 
+def test_data_replicas_are_planned_with_whole_or_zero1_moments_and_priced_so():
+    """Where there are data replicas the space holds each layout with AdamW's moments whole on every
+    replica and split over them (ZeRO-1); the split one holds a replica's share of the moments and
+    syncs gradients as a reduce-scatter and an all-gather."""
+    import dataclasses
+
+    from xlaopt.planning.price import memory_parts, software
+    from xlaopt.planning.shapes import analytic_shape
+
+    config = get_config("llama-tiny")
+    ok, _ = enumerate_space(config, BatchShape(16, 32, 0), 8, 8, "dense", ("bfloat16",))
+    assert not any(c.sharded_optimizer for c in ok if c.dp == 1)
+    twins = {dataclasses.replace(c, sharded_optimizer=False) for c in ok if c.sharded_optimizer}
+    assert twins and twins <= set(ok) and all(c.dp > 1 for c in twins)
+    dp8 = next(c for c in twins if c.dp == 8 and c.tp == 1 and c.cp == 1 and c.remat == "none")
+    shape = analytic_shape(config)
+    whole, split = (memory_parts(c, shape, BatchShape(16, 32, 0), True)
+                    for c in (dp8, dataclasses.replace(dp8, sharded_optimizer=True)))
+    params = shape.layers * shape.layer_params + shape.embedding_params
+    assert whole["state"] == pytest.approx(12.0 * params) and split["state"] == pytest.approx((4.0 + 8.0 / 8) * params)
+    assert software(dataclasses.replace(dp8, sharded_optimizer=True), "gpu", 8, 4).sharded_optimizer
+
+
 def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
     """Stages are the outermost mesh axis; a pipeline's micro-batches are multiples of its
     stages that split each data rank's rows; FSDP candidates come with each stage's weights

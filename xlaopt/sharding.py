@@ -132,6 +132,25 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], ru
     return PartitionSpec(*out)
 
 
+def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> PartitionSpec:
+    """`spec` with `data` added (outermost) to the first dimension its split and `data` together
+    divide: state every data replica would otherwise hold whole (the optimizer's, under
+    `sharded_optimizer`). Unchanged where no dimension divides (a scalar, AdamW's count)."""
+    ways = mesh.size("data")
+    taken = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    if ways <= 1 or "data" in taken:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, (entry, size) in enumerate(zip(entries, shape)):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        if size % (ways * math.prod(mesh.size(a) for a in axes)) == 0:
+            entries[dim] = ("data", *axes) if axes else "data"
+            while entries[-1] is None:
+                entries.pop()
+            return PartitionSpec(*entries)
+    return spec
+
+
 def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec, what: str) -> tuple[str, ...]:
     """The mesh axes (of size > 1) one dimension of logical axis `logical` and length `size` is
     split over."""

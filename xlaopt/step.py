@@ -163,6 +163,22 @@ def first_step_grad_fn(program: TrainProgram):
     return build_grad_fn(program, execution.loss_scale_init if loss_scale.uses_loss_scale(execution) else None)
 
 
+def _onto_the_moments_split(program: TrainProgram, grads):
+    """Under ZeRO-1 (`sharded_optimizer`) the gradients constrained to the moments' split over data
+    (`sharding.over_data`): the data replicas' sum becomes a reduce-scatter, and the clip's norm
+    and AdamW run on a replica's share. Left whole, XLA all-reduced them (the norm reads every
+    element) and then all-gathered the updated weights too."""
+    if not program.execution.sharded_optimizer or program.shardings is None:
+        return grads
+    from jax.sharding import PartitionSpec
+
+    from xlaopt.sharding import over_data
+
+    specs = trained_part(program, program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda g, spec: jax.lax.with_sharding_constraint(g, over_data(spec, g.shape, program.mesh)),
+                        grads, specs)
+
+
 def build_train_step(program: TrainProgram):
     opt = make_optimizer(program.settings)
     scaled = loss_scale.uses_loss_scale(program.execution)
@@ -178,6 +194,7 @@ def build_train_step(program: TrainProgram):
         if family.update_state is not None:
             model_state, metrics = family.update_state(program.model, model_state, metrics)
         trained = trained_part(program, state.params)
+        grads = _onto_the_moments_split(program, grads)
         updates, opt_state = opt.update(grads, state.opt_state, trained)
         params = with_trained(program, optax.apply_updates(trained, updates), state.params)
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))

@@ -72,8 +72,6 @@ def approximations(priced) -> list[str]:
     notes = []
     if not sw.fused_elementwise:
         notes.append("eager elementwise kernels compiled fused by XLA")
-    if layout.dp > 1 and sw.sharded_optimizer:
-        notes.append(f"optimizer state replicated over dp={layout.dp} (the row shards it)")
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
     if layout.pp > 1:
@@ -130,7 +128,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
     rules = with_sequence_parallel(DEFAULT_RULES) if sw.sequence_parallel and layout.tp > 1 else DEFAULT_RULES
     execution = dataclasses.replace(execution_for(sw.recompute, "kernel"), attention="cudnn",
                                     micro_batches=int(layout.micro_batches),
-                                    matmuls="fp8" if sw.fp8_linear else "compute")
+                                    matmuls="fp8" if sw.fp8_linear else "compute",
+                                    sharded_optimizer=sw.sharded_optimizer and layout.dp > 1)
     if layout.pp > 1:  # the row's micro-batches run through the stages in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=int(layout.micro_batches))

@@ -90,7 +90,8 @@ class Plan:
 
 def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
     execution = dataclasses.replace(base.execution, remat=c.remat, micro_batches=c.micro_batches,
-                                    compute_dtype=c.compute_dtype, matmuls=c.matmuls)
+                                    compute_dtype=c.compute_dtype, matmuls=c.matmuls,
+                                    sharded_optimizer=c.sharded_optimizer)
     if c.pp > 1:  # the micro-batches are the pipeline's, run in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=c.micro_batches, pipeline_weights_once=c.weights_once)
@@ -318,7 +319,7 @@ def _rank_key(p: Priced):
     """Compiled prices among the compiled few; analytic ones for the rest."""
     c = p.candidate
     # Ties (fp16 prices as bf16) go to bf16, then to fewer micro-batches and less recomputation.
-    return (p.step_time_s, c.precision != "bfloat16", c.micro_batches, REMATS.index(c.remat))
+    return (p.step_time_s, c.precision != "bfloat16", c.micro_batches, REMATS.index(c.remat), c.sharded_optimizer)
 
 
 def _shape(program: TrainProgram, work, batch: PricedBatch):

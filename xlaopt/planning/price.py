@@ -65,7 +65,7 @@ def software(candidate: Candidate, target: str, heads: int, kv_heads: int) -> an
     # GPU-target HLO).
     return analytic.Software(fused_elementwise=True, recompute=candidate.remat,
                              sequence_parallel=candidate.sequence_parallel,
-                             tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=False,
+                             tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=candidate.sharded_optimizer,
                              param_gather_bytes=1 if fp8 else 4, grad_reduce_bytes=4, fp8_linear=fp8,
                              pipeline="spmd", pipeline_weights_once=candidate.weights_once,
                              context_parallel="ulysses" if ulysses else "ring")
@@ -158,7 +158,8 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     in_flight = layers if c.weights_once else 2  # FSDP: the stage's layers gathered at once, or two prefetched
     weights = in_flight * weight * shape.layer_params / c.tp if c.fsdp > 1 else weight * params / c.tp
     parts = {
-        "state": (4.0 * params + 8.0 * trained) / shards,
+        # fp32 weights, and AdamW's two moments (split over the replicas too under ZeRO-1)
+        "state": (4.0 * params + 8.0 * trained / (c.dp if c.sharded_optimizer else 1)) / shards,
         "gradients": 4.0 * trained / shards,
         "weights": float(weights),
         "saved": saved_per_token * tokens * layers * held,

@@ -12,11 +12,14 @@ kept inside a node (tp x cp <= devices per node): across the network their per-l
 collectives cannot hide. Pipeline stages (`pp`, the mesh axis `stage`, outermost) are tried where
 asked (`stages`); a pipelined candidate's micro-batches are the pipeline's (multiples of the
 stages, no gradient accumulation), and with FSDP each stage's weights are gathered either per
-tick or once a step (`weights_once`). Candidates that cannot be built say why (`Rejected`).
+tick or once a step (`weights_once`). With data replicas, the optimizer's moments are kept whole
+on each or split over them too (`sharded_optimizer`, ZeRO-1). Candidates that cannot be built say
+why (`Rejected`).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
@@ -59,6 +62,7 @@ class Candidate:
     matmuls: str = "compute"  # "fp8": the projections' matmuls (`xlaopt.models.fp8`)
     pp: int = 1  # pipeline stages; with pp > 1, micro_batches are the pipeline's (`xlaopt.models.pipeline`)
     weights_once: bool = False  # pp > 1 with FSDP: each stage's weights gathered once a step, not per tick
+    sharded_optimizer: bool = False  # dp > 1: ZeRO-1, the moments split over the replicas too
 
     @property
     def precision(self) -> str:
@@ -87,8 +91,9 @@ class Candidate:
     def __str__(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "fp8": "fp8"}[self.precision]
         stages = f" pp={self.pp}{' weights-once' if self.weights_once else ''}" if self.pp > 1 else ""
-        return (f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{' sp' if self.sequence_parallel else ''} cp={self.cp}"
-                f"{stages} remat={self.remat} mb={self.micro_batches} {dtype}")
+        return (f"dp={self.dp}{' zero1' if self.sharded_optimizer else ''} fsdp={self.fsdp} tp={self.tp}"
+                f"{' sp' if self.sequence_parallel else ''} cp={self.cp}{stages} remat={self.remat} "
+                f"mb={self.micro_batches} {dtype}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +137,12 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                 for remat in remats:
                     for mb in micro:
                         for precision in precisions:
-                            for once in (False, True) if pp > 1 and fsdp > 1 else (False,):
+                            for once, zero1 in itertools.product((False, True) if pp > 1 and fsdp > 1 else (False,),
+                                                                 (False, True) if base.dp > 1 else (False,)):
                                 dtype, matmuls = _PRECISION[precision]
                                 c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
-                                                        matmuls=matmuls, sequence_parallel=sp, weights_once=once)
+                                                        matmuls=matmuls, sequence_parallel=sp, weights_once=once,
+                                                        sharded_optimizer=zero1)
                                 why = (split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
                                        or _pipeline_target_reason(c, target))
                                 (rejected.append(Rejected(c, why)) if why else ok.append(c))
