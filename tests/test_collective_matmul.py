@@ -32,18 +32,23 @@ FP32 = ExecutionConfig(compute_dtype="float32")
 @needs_devices(8)
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_the_ring_equals_the_einsum_forward_and_backward(bidirectional):
-    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
-    ring = CollectiveMatmulTransform("tensor", 4, bidirectional)
-    x = jax.random.normal(jax.random.key(0), (4, 16, 8, 5))
-    w = jax.random.normal(jax.random.key(1), (8, 5, 12))
-    eq = "blhk,hkd->bld"
-    loss = lambda mm, x, w: jnp.sum(jnp.sin(mm(eq, x, w)))  # noqa: E731
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.value_and_grad(functools.partial(loss, lambda e, x, w: ring.matmul(e, x, w, 2, 0)),
-                                         argnums=(0, 1)))(x, w)
-    want = jax.value_and_grad(functools.partial(loss, lambda e, x, w: jnp.einsum(e, x, w)), argnums=(0, 1))(x, w)
+    # In float64: the ring reorders every sum (the weight gradient's 64 products of terms up to ~10
+    # cancel to values near 0.01), which in float32 moved results by 1.3e-5 on one CPU and not on
+    # another. In float64 the same math must agree to 1e-10, whatever the CPU.
+    with jax.enable_x64(True):
+        mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+        ring = CollectiveMatmulTransform("tensor", 4, bidirectional)
+        x = jax.random.normal(jax.random.key(0), (4, 16, 8, 5), jnp.float64)
+        w = jax.random.normal(jax.random.key(1), (8, 5, 12), jnp.float64)
+        eq = "blhk,hkd->bld"
+        loss = lambda mm, x, w: jnp.sum(jnp.sin(mm(eq, x, w)))  # noqa: E731
+        with jax.set_mesh(mesh):
+            got = jax.jit(jax.value_and_grad(functools.partial(loss, lambda e, x, w: ring.matmul(e, x, w, 2, 0)),
+                                             argnums=(0, 1)))(x, w)
+        want = jax.value_and_grad(functools.partial(loss, lambda e, x, w: jnp.einsum(e, x, w)), argnums=(0, 1))(x, w)
+        assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(got))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # fp32 sums of 40 products, reordered
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
 
 
 ON = {"collective-matmul": {"enabled": True}}
