@@ -165,9 +165,9 @@ def first_step_grad_fn(program: TrainProgram):
 
 def _onto_the_moments_split(program: TrainProgram, grads):
     """Under ZeRO-1 (`sharded_optimizer`) the gradients constrained to the moments' split over data
-    (`sharding.over_data`): the data replicas' sum becomes a reduce-scatter, and the clip's norm
-    and AdamW run on a replica's share. Left whole, XLA all-reduced them (the norm reads every
-    element) and then all-gathered the updated weights too."""
+    (`sharding.over_data`), so the clip's norm and AdamW run on a replica's share. (XLA still
+    all-reduces each layer's gradients inside the backward's layer loop and slices them here,
+    rather than reduce-scattering: BENCHMARKS.md, "ZeRO-1".)"""
     if not program.execution.sharded_optimizer or program.shardings is None:
         return grads
     from jax.sharding import PartitionSpec
