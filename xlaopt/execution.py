@@ -63,8 +63,8 @@ class ExecutionConfig:
     # gradients reduce-scattered once) instead of at every tick; costs the stage's whole weights
     pipeline_weights_once: bool = False
     # The optimizer state (AdamW's moments) split over `data` as well, each replica updating its
-    # share: ZeRO-1, Megatron's distributed optimizer (`xlaopt.sharding.over_data`). The gradients
-    # reach it reduce-scattered, the updated parameters leave it all-gathered.
+    # share: ZeRO-1, Megatron's distributed optimizer (`xlaopt.sharding.over_data`); the updated
+    # parameters are all-gathered back onto every replica.
     sharded_optimizer: bool = False
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.
