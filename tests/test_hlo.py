@@ -172,11 +172,13 @@ def test_fsdp_gathers_each_layer_twice_and_reduces_gradients_once(tiny_config):
     outside = _array_bytes([c for c in gathers if c.executions == 1])
     assert other_bytes <= outside <= 2 * other_bytes
     # The gradient reduction (on CPU an all-reduce plus a slice stands in for reduce-scatter), of
-    # every parameter but the token embedding table: its gradient is scattered into each
-    # device's shard of the table from the looked-up rows' gradients (`models/layers.py`), no
+    # every parameter but the embedding tables (tokens, and Cosmos 3's three modalities): their
+    # gradients are scattered into each device's shard of the table from the looked-up rows'
+    # gradients, moved there by one all-to-all (`models/layers.embedding_lookup`), no
     # table-sized reduction.
-    table = lambda path, spec: "'embed_ED'" in path
-    assert _param_bytes(program, table) == 4 * tiny_config.vocab_size * tiny_config.d_model
+    table = lambda path, spec: "'embed_ED'" in path or "'modality_embed_3D'" in path
+    assert _param_bytes(program, table) == 4 * (tiny_config.vocab_size + 3) * tiny_config.d_model
+    assert any(c.kind == "all-to-all" and c.executions == 1 for c in colls)
     assert (_array_bytes([c for c in colls if c.kind in ("all-reduce", "reduce-scatter")])
             == _param_bytes(program) - _param_bytes(program, table))
     shard = f"f32[{tiny_config.vocab_size},{tiny_config.d_model // 8}]"
