@@ -132,17 +132,22 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], ru
     return PartitionSpec(*out)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry names: none, one, or several."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> PartitionSpec:
     """`spec` with `data` added (outermost) to the first dimension its split and `data` together
     divide: state every data replica would otherwise hold whole (the optimizer's, under
     `sharded_optimizer`). Unchanged where no dimension divides (a scalar, AdamW's count)."""
     ways = mesh.size("data")
-    taken = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    taken = {a for entry in spec for a in entry_axes(entry)}
     if ways <= 1 or "data" in taken:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for dim, (entry, size) in enumerate(zip(entries, shape)):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         if size % (ways * math.prod(mesh.size(a) for a in axes)) == 0:
             entries[dim] = ("data", *axes) if axes else "data"
             while entries[-1] is None:
@@ -155,8 +160,7 @@ def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec,
     """The mesh axes (of size > 1) one dimension of logical axis `logical` and length `size` is
     split over."""
     spec = logical_to_spec((logical,), (size,), rules, mesh, what)
-    entry = spec[0] if len(spec) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return entry_axes(spec[0] if len(spec) else None)
 
 
 def sequence_axes(rules: Sequence[Rule], mesh: MeshSpec) -> tuple[str, ...]:

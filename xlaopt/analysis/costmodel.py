@@ -253,6 +253,11 @@ def serving_all_reduce_time_s(volume_bytes: float, span: GroupSpan, topology: To
     strategy = kernel_strategy(volume_bytes, span) if topology.device.name != SIMULATED_CPU else None
     if strategy is None:
         return collective_time_s("all-reduce", volume_bytes, span, topology, eff)
+    return kernel_time_on(strategy, volume_bytes, span, topology, eff)
+
+
+def kernel_time_on(strategy: str, volume_bytes: float, span: GroupSpan, topology: Topology, eff: Efficiency) -> float:
+    """`kernel_all_reduce_time_s` over a group of one host's GPUs on `topology`."""
     return kernel_all_reduce_time_s(strategy, volume_bytes, span.per_node, topology.levels[0], eff.nvlink,
                                     topology.device.hbm_bytes_per_s)
 

@@ -179,8 +179,7 @@ def hlo_collective_time_s(info: CollectiveInfo, topology: Topology, eff: costmod
     if kernels and info.kernel:
         span = _span(info.replica_groups[0], topology)
         if costmodel.kernel_strategy(volume, span) is not None:
-            return costmodel.kernel_all_reduce_time_s(info.kernel, volume, span.per_node, topology.levels[0],
-                                                      eff.nvlink, topology.device.hbm_bytes_per_s)
+            return costmodel.kernel_time_on(info.kernel, volume, span, topology, eff)
     return _PRICES[info.kind](info, volume, topology, eff, cpu_fixups)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from xlaopt.layout import Layout
 from xlaopt.mesh import MESH_AXES
-from xlaopt.sharding import logical_to_spec
+from xlaopt.sharding import entry_axes, logical_to_spec
 
 STATE_BYTES_PER_PARAM = 12  # fp32 parameter, Adam m and v
 
@@ -34,7 +34,7 @@ def _boxes(spec, shape, layout: Layout, coords) -> tuple[np.ndarray, np.ndarray]
     n = layout.mesh.num_devices
     starts, stops = np.zeros((n, len(shape)), np.int64), np.tile(np.array(shape, np.int64), (n, 1))
     for dim, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = entry_axes(entry)
         if not axes:
             continue
         block = np.zeros(n, np.int64)
