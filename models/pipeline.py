@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
 
 STAGE = "stage"  # the mesh axis the rule table splits `layers` over (`xlaopt.sharding`)
+DATA = "data"
 SCHEDULES = ("gpipe",)
 # Schedules of the published runs this SPMD loop cannot run yet: 1F1B needs a hand-written
 # backward interleaved with the forward (JAX's transpose of the tick loop runs every forward tick
@@ -109,19 +110,25 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         raise ValueError(f"pipeline: every input of the layer stack must lead with the batch's rows; got leading "
                          f"dimensions {sorted(rows)}")
     B = rows.pop()
-    row_axes = tuple(a for a in batch_mesh_axes() if a != STAGE)  # what splits rows inside a stage
-    D = math.prod(dict(jax.sharding.get_abstract_mesh().shape)[a] for a in row_axes)
-    if B % (M * D):
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    # The data axis goes manual beside stage where it splits the rows (it splits no parameter):
+    # each data rank then accumulates its weight gradients over the ticks and the shard_map's
+    # transpose sums them over data once a step. Left to the partitioner, the gradients are
+    # all-reduced over data inside the tick loop, once per tick.
+    manual = (STAGE, DATA) if DATA in batch_mesh_axes() and DATA not in manual_axes() else (STAGE,)
+    row_axes = tuple(a for a in batch_mesh_axes() if a not in manual)  # what splits a data rank's rows in a stage
+    D, local_B = math.prod(sizes[a] for a in row_axes), B // math.prod(sizes[a] for a in manual if a != STAGE)
+    if local_B % (M * D):
         raise ValueError(f"pipeline: {B} rows do not split into {M} micro-batches over {D} row shards")
-    r = B // (M * D)
+    r = local_B // (M * D)
 
     def split(x):  # [B, ...] -> [M, B/M, ...]: micro-batch (s, q) is part q of stage s's rows of each row shard
         x = jnp.moveaxis(x.reshape(D, stages, M // stages, r, *x.shape[1:]), 0, 2)
         return x.reshape(M, D * r, *x.shape[4:])
 
-    def merge(y):  # the inverse: [M, B/M, ...] -> [B, ...]
-        y = jnp.moveaxis(y.reshape(stages, M // stages, D, r, *y.shape[2:]), 2, 0)
-        return y.reshape(B, *y.shape[4:])
+    def merge(y):  # the inverse, each data rank's rows in turn: [data ranks, M, B/M, ...] -> [B, ...]
+        y = jnp.moveaxis(y.reshape(y.shape[0], stages, M // stages, D, r, *y.shape[3:]), 3, 1)
+        return y.reshape(B, *y.shape[5:])
 
     shift = [(p, p + 1) for p in range(stages - 1)]
 
@@ -146,12 +153,15 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         empty = (take(jax.tree.map(jnp.zeros_like, carry_M), 0), jax.tree.map(jnp.zeros_like, carry_M))
         (_, out), _ = jax.lax.scan(tick, empty, jnp.arange(schedule.ticks))
         # Only the last stage wrote: the sum hands each stage its share of the micro-batches.
-        return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True), out)
+        return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True)[None], out)
 
-    with manual_over(manual_axes() + (STAGE,)), rows_split_over(row_axes):
+    rows_spec = PartitionSpec(manual[1:] or None)
+    with manual_over(manual_axes() + manual), rows_split_over(row_axes):
         # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
-        # of varying axes. The one input used on a single stage (the stack's input, on stage 0)
-        # gets its cotangent summed over the stages by the transpose, which the tests check.
-        out = jax.shard_map(local, in_specs=(PartitionSpec(STAGE), PartitionSpec(), PartitionSpec()),
-                            out_specs=PartitionSpec(STAGE), axis_names={STAGE}, check_vma=False)(params_L, carry, args)
+        # of varying axes. An input a manual axis does not split (the weights over data; the
+        # stack's input, used on stage 0 only, over the stages) gets its cotangent summed over that
+        # axis by the transpose, which the tests check.
+        out = jax.shard_map(local, in_specs=(PartitionSpec(STAGE), rows_spec, rows_spec),
+                            out_specs=PartitionSpec(manual[1:] or None, STAGE), axis_names=set(manual),
+                            check_vma=False)(params_L, carry, args)
     return jax.tree.map(merge, out)

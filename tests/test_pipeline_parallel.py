@@ -146,6 +146,20 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     assert "once per tick" in reason
 
 
+@needs_devices(8)
+def test_the_gradients_cross_data_once_a_step_not_once_a_tick():
+    """llama-tiny on stage=2,data=4, 4 micro-batches: each data rank sums its weight gradients over
+    the ticks and they are reduced over `data` once a step, outside the tick loops (left to the
+    partitioner, every layer's gradients were all-reduced over data at each of the 5 backward
+    ticks)."""
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("stage=2,data=4"), settings=TrainSettings(batch=BatchShape(16, 32, 0)),
+                           execution=dataclasses.replace(PIPELINE, pipeline_microbatches=4))
+    laid, _ = run_pipeline(program, pipeline())
+    over_data = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+                 if "data" in c.mesh_axes]
+    assert over_data and all(c.executions == 1 for c in over_data), [(c.name, c.executions) for c in over_data]
+
+
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
 def test_on_the_gpu_target_sends_are_async_and_cudnn_runs_in_a_stage():
     """Deviceless H100 compile of llama-tiny on stage=2,tensor=2 (4 micro-batches): each

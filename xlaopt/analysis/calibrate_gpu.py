@@ -11,9 +11,10 @@ as many as the global batch needs) and the optimizer update, on a mesh of the ro
 and tensor degrees with the tensor ranks innermost (the frameworks' order), with the row's
 recomputation as its named policy and its sequence parallelism as the rule table's.
 
-A row the GPU target cannot build says why and is priced analytically (`calibrate`): pipeline
-stages that do not hold equal layer counts, context parallel whose heads Ulysses cannot split, a
-GPU without a target config, an A100 (cuDNN's packed attention needs Hopper). A pipelined row
+A row the GPU target cannot build says why and is priced analytically (`calibrate`): context
+parallel whose heads Ulysses cannot split, a GPU without a target config, an A100 (cuDNN's packed
+attention needs Hopper). Pipeline stages that cannot hold equal layer counts compile with the
+layers padded to a multiple of the stages (`stage_layers`), said among the approximations. A pipelined row
 compiles as xlaopt's SPMD GPipe loop (its micro-batches the row's), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
@@ -42,9 +43,6 @@ def gpu_blocker(priced) -> str:
     shape = priced.run.shape
     if layout.micro_batches != int(layout.micro_batches):
         return f"{layout.micro_batches:g} micro-batches per step: not a whole number"
-    if layout.pp > 1 and shape.layers % layout.pp:
-        return (f"pipeline parallel (pp={layout.pp}): {shape.layers} layers do not cut into equal stages, the only "
-                f"kind xlaopt builds")
     if layout.pp > 1 and layout.micro_batches % layout.pp:
         return (f"pipeline parallel (pp={layout.pp}): {layout.micro_batches:g} micro-batches are not a multiple of "
                 f"the stages")
@@ -66,10 +64,26 @@ def mesh_for(layout) -> MeshSpec:
                        tensor=layout.tp, context=layout.cp)
 
 
+def stage_layers(run) -> int:
+    """The layers a row compiles with: its own, or, where its pipeline's stages cannot hold equal
+    counts (Llama 3 405B's 126 over 8), the next multiple of the stages. xlaopt builds equal stages
+    only. A pipeline's tick lasts as long as its longest stage, which an uneven cut (Megatron's puts
+    fewer layers on the stages holding the embedding or the loss) shares with this one; what the pad
+    adds is its layers' compute."""
+    layers, pp = run.shape.layers, run.layout.pp
+    return -(-layers // pp) * pp if pp > 1 else layers
+
+
 def approximations(priced) -> list[str]:
     """What the compiled step leaves out of how the row ran."""
     sw, layout = priced.software, priced.run.layout
     notes = []
+    layers, built = priced.run.shape.layers, stage_layers(priced.run)
+    if built != layers:
+        notes.append(f"{layers} layers compiled as {built} ({built // layout.pp} on each of {layout.pp} equal "
+                     f"stages, the only kind xlaopt builds; the row's framework cut them unevenly): the "
+                     f"{built - layers} extra layer{'s' * (built - layers > 1)} priced, "
+                     f"{(built - layers) / layers:.1%} more layer compute")
     if not sw.fused_elementwise:
         notes.append("eager elementwise kernels compiled fused by XLA")
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
@@ -134,7 +148,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=int(layout.micro_batches))
     try:
-        program = TrainProgram(decoder_config(run), mesh, rules=rules, target="gpu", execution=execution,
+        config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run))
+        program = TrainProgram(config, mesh, rules=rules, target="gpu", execution=execution,
                                settings=TrainSettings(batch=BatchShape(layout.global_batch, layout.seq_len, 0)))
         check_fits(program, priced.topology)
         t0 = time.perf_counter()
