@@ -1,8 +1,10 @@
 """Pipeline parallelism: the layer stack cut into stages over the mesh axis `stage`.
 
 An SPMD pipeline (one program on every device, as GSPMD partitions the rest), in a shard_map
-manual over `stage` alone, so data, FSDP, tensor and context stay automatic and compose inside
-each stage. The stacked parameters' `layers` axis is split over `stage` by the rule table
+manual over `stage` and, where it splits the rows, `data`, so FSDP, tensor and context stay
+automatic and compose inside each stage. Manual over data, each data rank sums its weight
+gradients over the ticks and they cross data once a step (automatic, the partitioner reduced
+them at every tick). The stacked parameters' `layers` axis is split over `stage` by the rule table
 (device p holds layers [p*k, (p+1)*k)), so the parameter tree, a checkpoint and a layout file
 are those of every other strategy.
 

@@ -60,7 +60,8 @@ CASES = {  # name -> (model, mesh, batch, execution)
     "odd-shapes-micro-batches": (ODD_LLAMA, "data=8", BatchShape(16, 24, 0), dataclasses.replace(FP32, micro_batches=2)),
     "cosmos3-tensor-full-remat": (COSMOS3_TINY, "data=4,tensor=2", None, dataclasses.replace(FP32, remat="full")),
     # fsdp splits the parameters inside the node and, with segment attention, the rows a second time.
-    "cosmos3-fsdp-segment": (COSMOS3_TINY, "data=4,fsdp=2", None, dataclasses.replace(FP32, attention="segment", remat="dots")),
+    "cosmos3-fsdp-segment": (COSMOS3_TINY, "data=4,fsdp=2", None,
+                             dataclasses.replace(FP32, attention="segment", attention_block=48, remat="dots")),
 }
 
 

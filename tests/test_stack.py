@@ -37,8 +37,10 @@ def _program(family: str, **execution) -> TrainProgram:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_strategies_and_remat_policies_give_the_same_numbers(family):
     reference = one_step_grads(_program(family))
-    for execution in ({"layer_stack": "unrolled"}, {"remat": "full"}, {"layer_stack": "unrolled", "remat": "dots"},
-                      {"attention": "segment", "attention_block": 16}):
+    variants = [{"layer_stack": "unrolled"}, {"remat": "full"}, {"layer_stack": "unrolled", "remat": "dots"}]
+    if family == "decoder":  # cosmos3's segment attention on this mesh: test_verify's segment test, against one device
+        variants.append({"attention": "segment", "attention_block": 16})
+    for execution in variants:
         result = compare(one_step_grads(_program(family, **execution)), reference, "float32")
         assert result["ok"], (execution, result)
 
