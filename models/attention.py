@@ -13,6 +13,7 @@ block)`, and gives [B, L, H, K]: queries over keys under the two-way mask of `ma
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -125,11 +126,24 @@ def attention_io_only(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens, block: int = 0
 # its own way (context parallel: `xlaopt.transforms.ulysses_attention`).
 _ATTENTION_WRAPPER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_attention_wrapper",
                                                                                     default=None)
+# The mesh axis over which the installed wrapper gathers each attention's whole sequence from the
+# chunks it splits: outside attention every op reads its own tokens only, so code around the
+# attention (a pipeline's stage) may take that axis manual and run on the chunks.
+_SEQUENCE_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("xlaopt_attention_sequence_axis",
+                                                                            default=None)
 
 
-def attention_through(wrapper: Callable):
-    """Context manager installing an attention wrapper (see `_ATTENTION_WRAPPER`)."""
-    return installed(_ATTENTION_WRAPPER, wrapper)
+@contextlib.contextmanager
+def attention_through(wrapper: Callable, sequence_axis: str | None = None):
+    """Context manager installing an attention wrapper (see `_ATTENTION_WRAPPER`) that attends
+    over the whole sequence split over `sequence_axis`, where it names one."""
+    with installed(_ATTENTION_WRAPPER, wrapper), installed(_SEQUENCE_AXIS, sequence_axis):
+        yield
+
+
+def attention_sequence_axis() -> str | None:
+    """The mesh axis whose sequence chunks the installed attention wrapper gathers, if any."""
+    return _SEQUENCE_AXIS.get()
 
 
 # The execution config's `attention` names one of these.

@@ -93,12 +93,13 @@ class MoTLayer(nn.Module):
                                          side_key_norm=self.reasoner_key_norm_for_generator)
         self.generator = TransformerBlock(**self.tower)
 
-    def __call__(self, carry, tokens_S, rope_T, rope_V):
+    def __call__(self, carry, tokens_T, tokens_V, rope_T, rope_V):
+        # Each tower's tokens apart, each input's sequence that of its own tower: a pipeline stage
+        # may run on chunks of both sequences (`models.pipeline`), and the row's keys are then this
+        # device's chunks of both, in the same order as their tokens.
         x_BTD, x_BVD = carry
-        T = x_BTD.shape[1]
-        tokens_T, tokens_V = tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1])
         x_BTD, reasoner_kv = self.reasoner_half(x_BTD, tokens_T, rope_T)
-        return x_BTD, self.generator_half(x_BVD, reasoner_kv, tokens_V, tokens_S, rope_V)
+        return x_BTD, self.generator_half(x_BVD, reasoner_kv, tokens_V, tokens_T.then(tokens_V), rope_V)
 
     def reasoner_half(self, x_BTD, tokens_T, rope_T):
         """The reasoner tokens' layer output, and (keys, values) [B, T, N, K] the generator's
@@ -226,12 +227,13 @@ class Cosmos3(nn.Module):
         x_BVD = io.embed(gen_inputs_BVC, batch["gen_modality_BV"], batch["gen_action_domain_BV"],
                          batch["gen_noisy_BV"], batch["gen_sigma_BV"])
 
-        tokens_S = joint_tokens(text_seg_BT, gen_seg_BV)
+        tokens_S, T = joint_tokens(text_seg_BT, gen_seg_BV), text_seg_BT.shape[1]
         rope = lambda pos: rope_tables(c, pos, self.rope_inv_freq)
 
         x_BTD, x_BVD = LayerStack(MoTLayer, layer_fields(c, dt, self.attention), c.num_layers, self.stack,
                                   name="layers")(
-            (x_BTD, x_BVD), tokens_S, rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
+            (x_BTD, x_BVD), tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1]),
+            rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
 
         h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD))
         head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))

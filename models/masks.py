@@ -28,6 +28,10 @@ class Tokens(NamedTuple):
     def slice(self, start: int, stop: int) -> "Tokens":
         return Tokens(*(a[:, start:stop] for a in self))
 
+    def then(self, other: "Tokens") -> "Tokens":
+        """These tokens followed by `other`'s along the sequence (the inverse of `slice`)."""
+        return Tokens(*(jnp.concatenate([a, b], axis=1) for a, b in zip(self, other)))
+
 
 def pair_mask(q: Tokens, k: Tokens) -> jax.Array:
     """[B, L, S] boolean mask (True = may attend) of queries q over keys k."""

@@ -1,10 +1,11 @@
 """Pipeline parallelism: the layer stack cut into stages over the mesh axis `stage`.
 
 An SPMD pipeline (one program on every device, as GSPMD partitions the rest), in a shard_map
-manual over `stage` and, where it splits the rows, `data`, so FSDP, tensor and context stay
-automatic and compose inside each stage. Manual over data, each data rank sums its weight
-gradients over the ticks and they cross data once a step (automatic, the partitioner reduced
-them at every tick). The stacked parameters' `layers` axis is split over `stage` by the rule table
+manual over `stage`, over `data` where it splits the rows, and over the axis an attention wrapper
+gathers the sequence over (Ulysses' `context`), so FSDP, tensor and the rest stay automatic and
+compose inside each stage. The ranks of data and context all hold whole weights: manual over
+them, each sums its weight gradients over the ticks and they are reduced once a step (automatic,
+the partitioner reduced them at every tick). The stacked parameters' `layers` axis is split over `stage` by the rule table
 (device p holds layers [p*k, (p+1)*k)), so the parameter tree, a checkpoint and a layout file
 are those of every other strategy.
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from xlaopt.models.attention import attention_sequence_axis
 from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
 
 STAGE = "stage"  # the mesh axis the rule table splits `layers` over (`xlaopt.sharding`)
@@ -117,9 +119,14 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
     # each data rank then accumulates its weight gradients over the ticks and the shard_map's
     # transpose sums them over data once a step. Left to the partitioner, the gradients are
     # all-reduced over data inside the tick loop, once per tick.
-    manual = (STAGE, DATA) if DATA in batch_mesh_axes() and DATA not in manual_axes() else (STAGE,)
+    data = DATA if DATA in batch_mesh_axes() and DATA not in manual_axes() else None
+    # So does the axis an attention wrapper gathers each sequence over (Ulysses' context): its
+    # ranks hold whole weights too, and every op outside attention reads its own tokens alone.
+    seq = attention_sequence_axis()
+    seq = seq if seq and sizes.get(seq, 1) > 1 and seq not in manual_axes() else None
+    manual = tuple(a for a in (STAGE, data, seq) if a)
     row_axes = tuple(a for a in batch_mesh_axes() if a not in manual)  # what splits a data rank's rows in a stage
-    D, local_B = math.prod(sizes[a] for a in row_axes), B // math.prod(sizes[a] for a in manual if a != STAGE)
+    D, local_B = math.prod(sizes[a] for a in row_axes), B // (sizes[data] if data else 1)
     if local_B % (M * D):
         raise ValueError(f"pipeline: {B} rows do not split into {M} micro-batches over {D} row shards")
     r = local_B // (M * D)
@@ -157,13 +164,13 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         # Only the last stage wrote: the sum hands each stage its share of the micro-batches.
         return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True)[None], out)
 
-    rows_spec = PartitionSpec(manual[1:] or None)
+    inputs = PartitionSpec(data, seq)  # every input leads with the rows, then the sequence
     with manual_over(manual_axes() + manual), rows_split_over(row_axes):
         # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
         # of varying axes. An input a manual axis does not split (the weights over data; the
         # stack's input, used on stage 0 only, over the stages) gets its cotangent summed over that
         # axis by the transpose, which the tests check.
-        out = jax.shard_map(local, in_specs=(PartitionSpec(STAGE), rows_spec, rows_spec),
-                            out_specs=PartitionSpec(manual[1:] or None, STAGE), axis_names=set(manual),
+        out = jax.shard_map(local, in_specs=(PartitionSpec(STAGE), inputs, inputs),
+                            out_specs=PartitionSpec(data, STAGE, None, seq), axis_names=set(manual),
                             check_vma=False)(params_L, carry, args)
     return jax.tree.map(merge, out)

@@ -84,6 +84,10 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
     "llama-data-context-ulysses": (LLAMA_TINY, "stage=2,data=2,context=2", BatchShape(8, 32, 0), PIPELINE, None,
                                    {"ulysses-attention"}),
     "cosmos3-fsdp-tensor": (COSMOS3_TINY, "stage=2,fsdp=2,tensor=2", None, PIPELINE, None, set()),
+    # Data and context manual in the stages: the joint attention's Ulysses all-to-alls on each
+    # device's chunks of both towers' sequences.
+    "cosmos3-data-context-ulysses": (COSMOS3_TINY, "stage=2,data=2,context=2", None, PIPELINE, None,
+                                     {"ulysses-attention"}),
     "llama-four-stages-eight-microbatches": (get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
                                              dataclasses.replace(PIPELINE, pipeline_microbatches=8), None, set()),
 }

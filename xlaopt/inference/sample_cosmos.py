@@ -370,7 +370,8 @@ def ulysses(placement, config, lengths: Sequence[int] = ()):
         raise UserError(f"mesh {placement.spec}: a row's {' and '.join(map(str, lengths))} text and clip tokens must "
                         f"each divide context={context} for Ulysses; pad the prompt or pick another clip size")
     repeat, chunks = split
-    return attention_through(UlyssesAttentionTransform("context", chunks=chunks, kv_repeat=repeat).attend)
+    return attention_through(UlyssesAttentionTransform("context", chunks=chunks, kv_repeat=repeat).attend,
+                             sequence_axis="context")
 
 
 def _batch_axes(config, batch: dict) -> dict:

@@ -62,7 +62,10 @@ class UlyssesAttentionTransform(GradTransform):
         # context=4: 2.6 TB a step over data,fsdp, a 106 s step against 30 s without context).
         manual = set(jax.sharding.get_abstract_mesh().manual_axes)
         rows = tuple(a for a in batch_mesh_axes() if a not in manual and a != axis)
-        seq = PartitionSpec(rows or None, axis)
+        # Inside a pipeline stage manual over the axis already (`models.pipeline`), each device
+        # holds its chunk: the all-to-alls run on it as they are.
+        split = None if axis in manual else axis
+        seq = PartitionSpec(rows or None, split)
 
         def local(q, k, v, qt, kt):
             whole = lambda t: Tokens(*(jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in t))  # noqa: E731
@@ -79,14 +82,17 @@ class UlyssesAttentionTransform(GradTransform):
                         for g in range(chunks)]
             return jnp.concatenate(outs, axis=2)
 
+        names = {*rows, *([split] if split else [])}
+        if not names:
+            return local(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
         tokens = Tokens(seq, seq, seq)
         # Unchecked: segment attention's own VJP inside knows nothing of varying axes; every input
         # and the output are split over the axis, so nothing replicated needs the check.
         return jax.shard_map(local, in_specs=(seq, seq, seq, tokens, tokens), out_specs=seq,
-                             axis_names={axis, *rows}, check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
+                             axis_names=names, check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
 
     def apply(self, grad_fn: Callable) -> Callable:
         def wrapped(params, batch, key):
-            with attention_through(self.attend):
+            with attention_through(self.attend, sequence_axis=self.axis):
                 return grad_fn(params, batch, key)
         return wrapped
