@@ -156,7 +156,7 @@ def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_rec
 
 
 @needs_devices(8)
-def test_plan_ranks_compiles_writes_a_layout_that_trains_and_verifies(tmp_path, capsys):
+def test_plan_ranks_compiles_writes_a_layout_that_verifies(tmp_path, capsys):
     out, layout = tmp_path / "plan.json", tmp_path / "best.toml"
     assert main(["plan", *LLAMA, "--topology", "cpu:1x8", "--top", "1", "--json", str(out), "--out", str(layout)]) == 0
     result = json.loads(out.read_text())
@@ -178,12 +178,10 @@ def test_plan_ranks_compiles_writes_a_layout_that_trains_and_verifies(tmp_path, 
                  "--json", str(tmp_path / "analyze.json")]) == 0
     assert json.loads((tmp_path / "analyze.json").read_text())["step_time_s"] == pytest.approx(best["step_time_s"])
     capsys.readouterr()
+    # It runs: verify loads the layout file and steps it against one device (`train --layout`:
+    # test_layout's HSDP layout).
     assert main(["verify", *LLAMA, "--layout", str(layout), "--dtype", "float32"]) == 0
     assert "ok" in capsys.readouterr().out
-    assert main(["train", *LLAMA, "--layout", str(layout), "--steps", "2", "--no-progress",
-                 "--json", str(tmp_path / "train.json")]) == 0
-    trained = json.loads((tmp_path / "train.json").read_text())
-    assert len(trained["steps"]) == 2 and np.isfinite(trained["steps"][-1]["loss"])
 
 
 def test_resharding_counts_what_each_device_must_read():
