@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from xlaopt.analysis.hlo import collectives
 from xlaopt.compile import compile_program
 from xlaopt.data.batch import BatchShape
 from xlaopt.data.synthetic_text import SyntheticText
@@ -20,7 +21,7 @@ from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.runtime.verify import compare, one_step_grads
 from xlaopt.step import base_grad_fn
 
-from conftest import SMALL, needs_devices
+from conftest import SMALL, check_pass, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
 FAMILIES = {"cosmos3": ("cosmos3-tiny", BatchShape(8, 48, 96)), "decoder": ("llama-tiny", BatchShape(8, 64, 0))}
@@ -70,6 +71,23 @@ def test_micro_batches_average_the_gradients_of_their_slices():
         np.testing.assert_allclose(got, (a + b) / 2, rtol=1e-5, atol=1e-7)
     with pytest.raises(UserError, match="micro_batches=3 does not divide the batch of 8 rows"):
         program.replace(execution=dataclasses.replace(FP32, micro_batches=3))
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("family, mesh", [("decoder", "data=4,tensor=2"), ("cosmos3", "data=4,tensor=2")])
+def test_micro_batches_over_data_reduce_the_gradients_once_and_equal_one_device(family, mesh):
+    """Where data splits the rows and no parameter, the micro-batch loop runs manual over data:
+    each rank sums its own gradients and they cross data once a step, after the last micro-batch
+    (left to the partitioner, every micro-batch's were all-reduced inside its backward). The step
+    equals one device's, cosmos3's noise and times drawn on the whole batch as one device draws."""
+    name, batch = FAMILIES[family]
+    program = TrainProgram(get_config(name, SMALL), MeshSpec.parse(mesh), settings=TrainSettings(batch=batch),
+                           execution=dataclasses.replace(FP32, micro_batches=2))
+    laid, _ = check_pass(program)
+    # (Inside the loop only scalars cross data: each micro-batch's token count, for its mean.)
+    over_data = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+                 if "data" in c.mesh_axes and any(dims for _, dims in c.shapes)]
+    assert over_data and all(c.executions == 1 for c in over_data), [(c.name, c.executions) for c in over_data]
 
 
 @needs_devices(8)

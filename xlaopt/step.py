@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AbstractMesh, AxisType
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from xlaopt import loss_scale
 from xlaopt.compiler import trace_cache
 from xlaopt.families import family_of
 from xlaopt.mesh import MESH_AXES
 from xlaopt.models.fp8 import matmuls_in
-from xlaopt.models.layers import activation_constraint, manual_axes
+from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 from xlaopt.transforms.hierarchical_grads import path_name
 
@@ -110,6 +110,8 @@ def base_grad_fn(program: TrainProgram, scale=None):
     return grad_fn
 
 
+DATA = "data"  # the mesh axis `accumulate_manual` takes, where it can
+
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
     """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
     activation memory of one slice), returning the mean loss, metrics and gradients. Each
@@ -117,33 +119,82 @@ def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
     if micro_batches == 1:
         return grad_fn
 
-    def split(name, x):
-        # Micro-batch i takes every `micro_batches`-th row, so each device's rows (a contiguous
-        # block when the rows are sharded) spread over all micro-batches and every micro-batch
-        # keeps the batch's sharding; leading slices would put micro-batch i on 1/m of the devices.
-        axis = axes[name].index("batch")
-        x = jnp.moveaxis(x, axis, 0)
-        x = jnp.swapaxes(x.reshape((x.shape[0] // micro_batches, micro_batches) + x.shape[1:]), 0, 1)
-        return jnp.moveaxis(x, 1, axis + 1)
-
     def accumulated(params, batch, key):
-        slices = {name: split(name, x) for name, x in batch.items()}
+        slices = {name: _micro_batches(x, axes[name].index("batch"), micro_batches) for name, x in batch.items()}
         one = lambda i: grad_fn(params, {name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))
-
-        def body(total, i):
-            return jax.tree.map(jnp.add, total, one(i)), None
-
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
-        total, _ = jax.lax.scan(body, zeros, jnp.arange(micro_batches))
-        return jax.tree.map(lambda t: t / micro_batches, total)
+        return _summed(one, micro_batches)
 
     return accumulated
+
+
+def _micro_batches(x, axis: int, micro_batches: int):
+    """[..., rows, ...] -> [micro_batches, ..., rows / micro_batches, ...]. Micro-batch i takes
+    every `micro_batches`-th row, so each device's rows (a contiguous block when the rows are
+    sharded) spread over all micro-batches and every micro-batch keeps the batch's sharding;
+    leading slices would put micro-batch i on 1/m of the devices."""
+    x = jnp.moveaxis(x, axis, 0)
+    x = jnp.swapaxes(x.reshape((x.shape[0] // micro_batches, micro_batches) + x.shape[1:]), 0, 1)
+    return jnp.moveaxis(x, 1, axis + 1)
+
+
+def _summed(one, micro_batches: int):
+    """The mean over i < micro_batches of `one(i)` (a tree), one i after another."""
+    def body(total, i):
+        return jax.tree.map(jnp.add, total, one(i)), None
+
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
+    total, _ = jax.lax.scan(body, zeros, jnp.arange(micro_batches))
+    return jax.tree.map(lambda t: t / micro_batches, total)
+
+
+def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple):
+    """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
+    each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
+    once, after the last. Left to the partitioner, every micro-batch's gradients were all-reduced
+    over it inside that micro-batch's backward, `micro_batches` times a step. The draws are made
+    before, on the whole batch, as one device makes them; `rows`: each batch array's and draw's
+    row dimension."""
+    def accumulated(params, batch, key):
+        slices = {name: _micro_batches(x, rows[name], micro_batches) for name, x in batch.items()}
+        drawn = jax.vmap(lambda one, i: draws(one, jax.random.fold_in(key, i)))(slices, jnp.arange(micro_batches))
+        specs = {name: PartitionSpec(*([None] * (rows[name] + 1)), axis) for name in drawn}
+
+        def local(params, drawn, key):
+            # Each rank's loss is its tokens' share of the global mean (`layers.token_mean`).
+            with manual_over((axis,)), rows_split_over(other_row_axes):
+                total = _summed(lambda i: grad_fn(params, {n: x[i] for n, x in drawn.items()},
+                                                  jax.random.fold_in(key, i)), micro_batches)
+            return jax.lax.psum(total, axis)
+
+        return jax.shard_map(local, in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=PartitionSpec(),
+                             axis_names={axis}, check_vma=False)(params, drawn, key)
+
+    return accumulated
+
+
+def _accumulates_manual_over(program: TrainProgram) -> str | None:
+    """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`): the rows split
+    over it and no parameter does, no grad transform has taken it, and no model state is
+    normalised over the rows (inside, a device would see its own rows' moments)."""
+    from xlaopt.sharding import batch_axes, entry_axes
+
+    if program.execution.micro_batches == 1 or program.shardings is None or DATA not in batch_axes(program):
+        return None
+    if any(getattr(t, "axis", None) == DATA for t in program.grad_transforms):
+        return None
+    if family_of(program.model).update_state is not None:
+        return None
+    specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if any(DATA in entry_axes(entry) for spec in specs for entry in spec):
+        return None
+    return DATA
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
     """The step's gradient function: each micro-batch's draws, then its gradients (its loss
     scaled by `scale`, when given) through the program's grad transforms, which see unscaled
-    gradients and a micro-batch that holds its draws; then the micro-batches accumulated."""
+    gradients and a micro-batch that holds its draws; then the micro-batches accumulated (manual
+    over data where it can be, `accumulate_manual`)."""
     family = family_of(program.model)
     fn = base_grad_fn(program, scale)
     for transform in program.grad_transforms:
@@ -153,6 +204,13 @@ def build_grad_fn(program: TrainProgram, scale=None):
         return fn(params, family.with_draws(batch, key), key)
 
     axes = {name: spec[2] for name, spec in batch_spec(program).items()}
+    over = _accumulates_manual_over(program)
+    if over is not None:
+        from xlaopt.sharding import batch_axes
+
+        rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
+        return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, over,
+                                 tuple(a for a in batch_axes(program) if a != over))
     return accumulate(with_draws, program.execution.micro_batches, axes)
 
 
