@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from xlaopt.mesh import DATA, STAGE
 from xlaopt.models.attention import attention_sequence_axis
 from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
 
-STAGE = "stage"  # the mesh axis the rule table splits `layers` over (`xlaopt.sharding`)
-DATA = "data"
 SCHEDULES = ("gpipe",)
 # Schedules of the published runs this SPMD loop cannot run yet: 1F1B needs a hand-written
 # backward interleaved with the forward (JAX's transpose of the tick loop runs every forward tick

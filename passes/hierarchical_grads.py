@@ -30,19 +30,12 @@ from typing import ClassVar
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from xlaopt.context import Pass, PassContext, PassResult
 from xlaopt.families import family_of
-from xlaopt.mesh import MESH_AXES
+from xlaopt.mesh import DATA as AXIS, MESH_AXES
 from xlaopt.program import TrainProgram
 from xlaopt.transforms.hierarchical_grads import WHOLE, HierarchicalGradsTransform, path_name
-
-AXIS = "data"
-
-
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 def nodes_of(ctx: PassContext) -> tuple[int, int] | None:
@@ -89,7 +82,7 @@ class HierarchicalGrads(Pass):
         return reason if isinstance(reason, str) else None
 
     def _plan(self, program: TrainProgram, ctx: PassContext):
-        from xlaopt.sharding import batch_axes
+        from xlaopt.step import why_rows_not_manual_over_data
 
         if program.shardings is None:
             return "needs a layout (run mesh-layout first)"
@@ -102,14 +95,9 @@ class HierarchicalGrads(Pass):
         if program.execution.layer_stack == "pipeline":
             return ("layer_stack=pipeline: the pass reduces each layer's gradient inside the backward loop, which "
                     "under a pipeline runs once per tick (micro-batches + stages - 1 times a step), not once")
-        if family_of(program.model).update_state is not None:
-            return ("the model keeps batch statistics: inside the pass's shard_map each device would normalise "
-                    "with its own rows' moments, not the whole batch's")
-        if AXIS not in batch_axes(program):
-            return "the rows are not split over the data axis"
-        param_specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        if any(AXIS in _spec_axes(s) for s in param_specs):
-            return "parameters are split over the data axis (ZeRO-3 style): their gradients are reduce-scattered"
+        reason = why_rows_not_manual_over_data(program)
+        if reason:
+            return reason
         cluster = nodes_of(ctx)
         if cluster is None:
             return "no topology and one process: the nodes are unknown (give --topology, e.g. h100:2x4)"
@@ -117,7 +105,7 @@ class HierarchicalGrads(Pass):
         return groups
 
     def run(self, program: TrainProgram, ctx: PassContext) -> PassResult:
-        from xlaopt.sharding import batch_axes
+        from xlaopt.sharding import batch_axes, entry_axes
         from xlaopt.step import batch_spec
 
         groups = self._plan(program, ctx)
@@ -138,7 +126,7 @@ class HierarchicalGrads(Pass):
             if stacked:
                 in_loop.append(name)
             nbytes = 4 * math.prod(leaf.shape)  # fp32 gradients
-            ways = math.prod(program.mesh.size(a) for a in _spec_axes(spec))
+            ways = math.prod(program.mesh.size(a) for entry in spec for a in entry_axes(entry))
             total += nbytes // ways
             crossing += nbytes // ways // (per_node if dim != WHOLE else 1)
         family = family_of(program.model)

@@ -22,6 +22,7 @@ from xlaopt.errors import UserError
 # stage is the outermost block of devices by default, as in Megatron's rank order.
 MESH_AXES = ("stage", "data", "fsdp", "tensor", "context")
 STAGE = "stage"
+DATA = "data"
 # Megatron's rank order (tensor innermost, then context, then data, pipeline stages outermost),
 # the one the analytic cost model assumes; the FSDP shard ranks sit inside the data replicas
 # (HSDP's shard group inner).

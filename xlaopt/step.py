@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 from xlaopt import loss_scale
 from xlaopt.compiler import trace_cache
 from xlaopt.families import family_of
-from xlaopt.mesh import MESH_AXES
+from xlaopt.mesh import DATA, MESH_AXES
 from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
@@ -110,8 +110,6 @@ def base_grad_fn(program: TrainProgram, scale=None):
     return grad_fn
 
 
-DATA = "data"  # the mesh axis `accumulate_manual` takes, where it can
-
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
     """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
     activation memory of one slice), returning the mean loss, metrics and gradients. Each
@@ -172,22 +170,32 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
     return accumulated
 
 
-def _accumulates_manual_over(program: TrainProgram) -> str | None:
-    """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`): the rows split
-    over it and no parameter does, no grad transform has taken it, and no model state is
-    normalised over the rows (inside, a device would see its own rows' moments)."""
+def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
+    """Why the step cannot run manual over `data` (each rank its own rows with whole weights, its
+    gradients reduced over data once, `accumulate_manual` and the hierarchical-grads pass), or
+    None where it can."""
     from xlaopt.sharding import batch_axes, entry_axes
 
-    if program.execution.micro_batches == 1 or program.shardings is None or DATA not in batch_axes(program):
+    if family_of(program.model).update_state is not None:
+        return ("the model keeps batch statistics: manual over data each device would normalise with its own "
+                "rows' moments, not the whole batch's")
+    if DATA not in batch_axes(program):
+        return "the rows are not split over the data axis"
+    specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if any(DATA in entry_axes(entry) for spec in specs for entry in spec):
+        return "parameters are split over the data axis (ZeRO-3 style): their gradients are reduce-scattered"
+    return None
+
+
+def _accumulates_manual_over(program: TrainProgram) -> str | None:
+    """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`): several
+    micro-batches, a layout the rows can run manual over data in, and no grad transform that has
+    taken data already."""
+    if program.execution.micro_batches == 1 or program.shardings is None:
         return None
     if any(getattr(t, "axis", None) == DATA for t in program.grad_transforms):
         return None
-    if family_of(program.model).update_state is not None:
-        return None
-    specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if any(DATA in entry_axes(entry) for spec in specs for entry in spec):
-        return None
-    return DATA
+    return None if why_rows_not_manual_over_data(program) else DATA
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
