@@ -98,3 +98,31 @@ def test_analysis_reports_fill_and_work_ratios_of_the_priced_rows(segment_progra
         segment_program.execution, attention="dense")), parse_topology("h100:1x8"), "cpu", batch=batch)
     assert dense["attention_pairs_executed_over_needed"] > result["attention_pairs_executed_over_needed"]
     assert math.isfinite(result["step_time_s"]) and result["step_time_s"] > 0
+
+
+def test_a_pipelines_attention_runs_are_counted_per_stage_and_micro_batch():
+    """Under a pipeline one run of a layer's attention is one stage's pass over one of the
+    pipeline's micro-batches: a data rank's rows cut into them, not the rows the rule table leaves
+    a stage. Segment attention's pair-loop trips here; cuDNN's fused-call FLOPs come from the same
+    per-run rows (`_per_device_trips`; the GPU-target calibration test checks their values)."""
+    from xlaopt.analysis.priced_batch import whole_rows_batch
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.models.registry import get_config
+    from xlaopt.models.segment_attention import loop_tag
+    from xlaopt.pipeline import pipeline, run_pipeline, select_passes
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    trips = {}
+    for label, mesh, execution in (("scan", "data=2", {}),
+                                   ("pipeline", "stage=2,data=2", dict(layer_stack="pipeline", pipeline_microbatches=4))):
+        program = TrainProgram(get_config("llama-tiny"), MeshSpec.parse(mesh), target="gpu",
+                               settings=TrainSettings(batch=BatchShape(16, 64, 0)),
+                               execution=ExecutionConfig(attention="segment", attention_block=16, **execution))
+        program, _ = run_pipeline(program, select_passes(pipeline(), ["mesh-layout"]))
+        work = batch_work(program, whole_rows_batch(program).arrays)
+        trips[label] = (work.loop_trips[loop_tag(64, 64)], work.mean_loop_trips[loop_tag(64, 64)])
+    causal_blocks = 4 * 5 // 2  # one document per row of 4 blocks
+    # data=2: 8 rows a run; a pipeline's data rank cuts its 8 rows into 4 micro-batches of 2
+    assert trips == {"scan": (8 * causal_blocks, 8 * causal_blocks), "pipeline": (2 * causal_blocks, 2 * causal_blocks)}

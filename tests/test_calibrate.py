@@ -405,6 +405,12 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     steps = compile_rows([cal.prepare(r) for r in cal.read_runs(_write(tmp_path / "one.csv", [small]))])
     slower = dataclasses.replace(cm.FITTED, matmul_max=cm.FITTED.matmul_max / 2)
     assert steps["X1"].price(slower)["compute_s"] > steps["X1"].price()["compute_s"]
+    # cuDNN's calls, which XLA counts no FLOPs for, carry the row's: one document per row, causal
+    # across it (4 rows in micro-batches of 1 a device over fsdp=2: one row a call; 4 heads of 64;
+    # the backward 2.5x the forward).
+    forward = 4.0 * 4 * 64 * 1 * (256 * 257 // 2)
+    fused = sorted({op.flops for op in steps["X1"].schedule.ops if op.fused_attention})
+    assert fused == [forward, 2.5 * forward]
 
 
 def test_the_held_out_runs_are_priced_out_of_sample_within_the_issue_targets():

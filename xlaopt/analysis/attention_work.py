@@ -71,12 +71,21 @@ def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, 
     """Trips per run of a pair loop on the device that does most, and on the average device: the
     rows of each micro-batch split contiguously over the batch's mesh axes (devices along the
     other axes repeat their shard's rows); averaged over micro-batches, as one count prices every
-    run of the loop."""
+    run of the loop. Under a pipeline one run is one stage's pass over one of the pipeline's
+    micro-batches, which the stack cuts from each row shard's rows (`models.pipeline.split`)."""
+    from xlaopt.mesh import STAGE
     from xlaopt.sharding import batch_axes
 
     ways = math.prod(program.mesh.size(a) for a in batch_axes(program))
     per_micro = per_row.reshape(program.execution.micro_batches, -1)
-    per_shard = per_micro.reshape(per_micro.shape[0], ways, -1).sum(axis=2)
+    stages = program.mesh.size(STAGE)
+    if program.execution.layer_stack == "pipeline" and stages > 1 and STAGE in batch_axes(program):
+        m = program.execution.pipeline_microbatches or stages
+        # [micro, shard, stage s, part q, rows] -> runs (micro, s, q) x row shards
+        cut = per_micro.reshape(per_micro.shape[0], ways // stages, stages, m // stages, -1).sum(axis=4)
+        per_shard = np.moveaxis(cut, 1, 3).reshape(-1, ways // stages)
+    else:
+        per_shard = per_micro.reshape(per_micro.shape[0], ways, -1).sum(axis=2)
     return int(math.ceil(per_shard.max(axis=1).mean())), float(per_shard.mean())
 
 

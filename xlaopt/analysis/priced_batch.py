@@ -28,6 +28,21 @@ def synthetic_batch(program: TrainProgram) -> PricedBatch:
     return PricedBatch(f"{program.model.family} synthetic stream, batch 0", shape, arrays)
 
 
+def whole_rows_batch(program: TrainProgram) -> PricedBatch:
+    """A decoder's batch of one document per row, its whole sequence: causal attention across the
+    row, as the published runs' frameworks train by default (and as the analytic model prices)."""
+    from xlaopt.errors import UserError
+    from xlaopt.families import family_of
+
+    if family_of(program.model).segment_keys != ("segment_ids_BT",):
+        raise UserError(f"whole-row batches are a decoder's; {program.model.name} is priced on its synthetic stream")
+    shape = program.settings.batch
+    rows, seq = shape.batch_size, shape.text_len
+    arrays = {"tokens_BT": np.zeros((rows, seq), np.int32), "segment_ids_BT": np.ones((rows, seq), np.int32),
+              "positions_BT": np.broadcast_to(np.arange(seq, dtype=np.int32), (rows, seq)).copy()}
+    return PricedBatch("one document per row", shape, arrays)
+
+
 def cosmos3_layout(shape: BatchShape, rows: Sequence[Sequence[tuple[int, int, int, int]]]) -> dict[str, np.ndarray]:
     """The layout arrays of Cosmos 3 rows of samples given as (n_text, n_gen, modality, n_clean),
     laid out as `xlaopt.data.packing.fill_row` lays them: samples in order from the start of each
