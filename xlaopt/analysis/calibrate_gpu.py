@@ -9,7 +9,10 @@ Unlike the CPU target's method (`calibrate_compiled`), nothing is compiled in pa
 the whole step is compiled, its micro-batches (the row's `micro_batch` sequences per data rank,
 as many as the global batch needs) and the optimizer update, on a mesh of the row's data, FSDP
 and tensor degrees with the tensor ranks innermost (the frameworks' order), with the row's
-recomputation as its named policy and its sequence parallelism as the rule table's.
+recomputation as its named policy and its sequence parallelism as the rule table's. cuDNN's fused
+attention calls, which XLA's cost analysis gives no FLOPs, are given those of rows holding one
+document each, causal across the row, as the frameworks train by default and the analytic model
+prices (`priced_batch.whole_rows_batch`).
 
 A row the GPU target cannot build says why and is priced analytically (`calibrate`): context
 parallel whose heads Ulysses cannot split, a GPU without a target config, an A100 (cuDNN's packed
