@@ -76,10 +76,11 @@ def _per_device_trips(per_row: np.ndarray, program: TrainProgram) -> tuple[int, 
     from xlaopt.mesh import STAGE
     from xlaopt.sharding import batch_axes
 
-    ways = math.prod(program.mesh.size(a) for a in batch_axes(program))
+    axes = batch_axes(program)
+    ways = math.prod(program.mesh.size(a) for a in axes)
     per_micro = per_row.reshape(program.execution.micro_batches, -1)
     stages = program.mesh.size(STAGE)
-    if program.execution.layer_stack == "pipeline" and stages > 1 and STAGE in batch_axes(program):
+    if program.execution.layer_stack == "pipeline" and stages > 1 and STAGE in axes:
         m = program.execution.pipeline_microbatches or stages
         # [micro, shard, stage s, part q, rows] -> runs (micro, s, q) x row shards
         cut = per_micro.reshape(per_micro.shape[0], ways // stages, stages, m // stages, -1).sum(axis=4)
