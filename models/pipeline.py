@@ -17,6 +17,14 @@ and which rows form a micro-batch is chosen so that these are exactly the rows t
 gives that stage (`batch` splits rows over data, FSDP and then stage): the final norm, the head
 and the loss run split over the stages like data parallelism, not on one stage for all rows.
 
+With V virtual stages (MaxText's circular pipeline) the layers are cut into P * V chunks of
+L / (P * V), chunk v * P + p on stage p, and a micro-batch goes round the ring of stages V times:
+at tick t stage p runs chunk v of its own on micro-batch m, where t - p = v * M + m. The last
+stage hands each round's result back to stage 0, which keeps it until that micro-batch's next
+round (M >= P ticks later). V * M + P - 1 ticks of 1 / V of a stage's layers: the bubble is V
+times smaller than GPipe's, for one more send a tick (P - 1 to 0) and the stacked weights
+reordered into chunk order once a step (the rule table keeps each stage's contiguous layers).
+
 The backward pass is JAX's transpose of the tick loop: every forward tick, then every backward
 tick in reverse (GPipe's schedule, `PipelineSchedule`). Stage ticks outside a micro-batch's
 window (the bubble) compute on a stand-in whose result is never written.
@@ -39,7 +47,8 @@ SCHEDULES = ("gpipe",)
 # Schedules of the published runs this SPMD loop cannot run yet: 1F1B needs a hand-written
 # backward interleaved with the forward (JAX's transpose of the tick loop runs every forward tick
 # first), interleaved 1F1B that and each stage's layers stored in strided chunks.
-NOT_BUILT = {"1f1b": "one forward, one backward", "interleaved": "1F1B over virtual stages",
+NOT_BUILT = {"1f1b": "one forward, one backward",
+             "interleaved": "1F1B over virtual stages; GPipe's order over them is pipeline_virtual_stages",
              "zero-bubble": "split backward passes"}
 
 
@@ -56,30 +65,39 @@ def check_schedule(name: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
     """Which micro-batch each stage runs at each tick, and what that costs. GPipe: micro-batch
-    m runs on stage p at forward tick m + p; the backward ticks mirror the forward ones."""
+    m runs on stage p at forward tick m + p; the backward ticks mirror the forward ones. With
+    V virtual stages, round v of micro-batch m runs on stage p at tick v * M + m + p."""
     stages: int
     microbatches: int
     name: str = "gpipe"
+    virtual_stages: int = 1
 
     def __post_init__(self):
         check_schedule(self.name)
         if self.stages < 1 or self.microbatches < self.stages or self.microbatches % self.stages:
             raise ValueError(f"{self.microbatches} micro-batches over {self.stages} stages: the count must be a "
                              f"multiple of the stages (each stage receives an equal share of the output)")
+        if self.virtual_stages < 1:
+            raise ValueError(f"{self.virtual_stages} virtual stages: at least 1")
 
     @property
     def ticks(self) -> int:
-        """Forward ticks (the backward has as many)."""
-        return self.microbatches + self.stages - 1
+        """Forward ticks (the backward has as many), each 1 / V of a stage's layers."""
+        return self.virtual_stages * self.microbatches + self.stages - 1
+
+    def work_at(self, stage: int, tick: int) -> tuple[int, int] | None:
+        """(micro-batch, round) `stage` runs at forward `tick`, None in the bubble."""
+        i = tick - stage
+        return divmod(i, self.microbatches)[::-1] if 0 <= i < self.virtual_stages * self.microbatches else None
 
     def microbatch_at(self, stage: int, tick: int) -> int | None:
         """The micro-batch `stage` runs at forward `tick`, None in the bubble."""
-        m = tick - stage
-        return m if 0 <= m < self.microbatches else None
+        work = self.work_at(stage, tick)
+        return None if work is None else work[0]
 
     @property
     def bubble_fraction(self) -> float:
-        """The share of each device's ticks that runs no micro-batch: (P - 1) / (M + P - 1)."""
+        """The share of each device's ticks that runs no micro-batch: (P - 1) / (V M + P - 1)."""
         return (self.stages - 1) / self.ticks
 
     @property
@@ -89,6 +107,16 @@ class PipelineSchedule:
         also saves what its bubble ticks computed)."""
         return self.ticks
 
+    def check_layers(self, layers: int) -> None:
+        """A ValueError naming the virtual stage counts that work where `layers` do not cut into
+        stages x virtual stages equal chunks."""
+        if layers % (self.stages * self.virtual_stages):
+            per_stage = layers // self.stages
+            works = [v for v in range(1, per_stage + 1) if per_stage % v == 0] if layers % self.stages == 0 else [1]
+            raise ValueError(f"{self.virtual_stages} virtual stages do not divide each of the {self.stages} stages' "
+                             f"{layers / self.stages:g} layers into equal chunks; use "
+                             f"{', '.join(map(str, works))}")
+
 
 def stages_of_mesh() -> int:
     """The size of `stage` in the mesh installed while tracing (1 where there is none)."""
@@ -97,17 +125,18 @@ def stages_of_mesh() -> int:
 
 
 def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable,
-                    gather: Callable | None = None):
+                    gather: Callable | None = None, virtual_stages: int = 1):
     """The layers of `params_L` ([L, ...] leaves) over `carry`, pipelined over the mesh's stages
-    in `microbatches` micro-batches (0: one per stage); `inner(layer_fn, params_k, carry, args)`
-    runs a stage's own k layers; `gather(params_k) -> params_k`, where given, lays out a stage's
-    weights once before the ticks (`StackSpec.weights_once`). One stage: `inner` over all layers,
-    the same numbers."""
+    in `microbatches` micro-batches (0: one per stage) and `virtual_stages` rounds of the ring;
+    `inner(layer_fn, params_k, carry, args)` runs a stage's own k layers of one round;
+    `gather(params_k) -> params_k`, where given, lays out a stage's weights once before the ticks
+    (`StackSpec.weights_once`). One stage: `inner` over all layers, the same numbers."""
     stages = stages_of_mesh()
     if stages == 1:
         return inner(layer_fn, params_L, carry, args)
-    schedule = PipelineSchedule(stages, microbatches or stages)
-    M = schedule.microbatches
+    schedule = PipelineSchedule(stages, microbatches or stages, virtual_stages=virtual_stages)
+    M, V = schedule.microbatches, schedule.virtual_stages
+    schedule.check_layers(jax.tree.leaves(params_L)[0].shape[0])
     rows = {x.shape[0] for x in jax.tree.leaves((carry, args))}
     if len(rows) != 1:
         raise ValueError(f"pipeline: every input of the layer stack must lead with the batch's rows; got leading "
@@ -138,32 +167,47 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         y = jnp.moveaxis(y.reshape(y.shape[0], stages, M // stages, D, r, *y.shape[3:]), 3, 1)
         return y.reshape(B, *y.shape[5:])
 
-    shift = [(p, p + 1) for p in range(stages - 1)]
+    def chunk_order(w):  # [L, ...] in layer order -> stage p's V chunks (v * P + p for each v) contiguous
+        w = w.reshape(V, stages, w.shape[0] // (V * stages), *w.shape[1:])
+        return jnp.swapaxes(w, 0, 1).reshape(-1, *w.shape[3:])
+
+    # A ring where rounds follow each other: the last stage's result goes back to stage 0.
+    shift = [(p, (p + 1) % stages) for p in range(stages - (V == 1))]
 
     def local(params_k, carry, args):
         if gather is not None:
             params_k = gather(params_k)
+        params_Vk = jax.tree.map(lambda w: w.reshape(V, w.shape[0] // V, *w.shape[1:]), params_k)
         carry_M, args_M = jax.tree.map(split, carry), jax.tree.map(split, args)
         stage = jax.lax.axis_index(STAGE)
         first, last = stage == 0, stage == stages - 1
         take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+        put = lambda tree, i, new, when: jax.tree.map(  # noqa: E731
+            lambda o, n: o.at[i].set(jnp.where(when, n, o[i])), tree, new)
 
-        def tick(state_out, t):
-            state, out = state_out
-            x = jax.tree.map(lambda new, handed: jnp.where(first, new, handed), take(carry_M, jnp.minimum(t, M - 1)),
-                             state)
-            y = inner(layer_fn, params_k, x, take(args_M, jnp.clip(t - stage, 0, M - 1)))
-            done = t - (stages - 1)  # the micro-batch the last stage finishes now, if any
-            at, write = jnp.maximum(done, 0), last & (done >= 0)
-            out = jax.tree.map(lambda o, v: o.at[at].set(jnp.where(write, v, o[at])), out, y)
-            return (jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, shift), y), out), None
+        def tick(state, t):
+            handed, rounds, out = state
+            i = jnp.clip(t - stage, 0, V * M - 1)  # this stage's work item, clamped in the bubble
+            m, v = i % M, i // M
+            fresh = take(carry_M, m)
+            if V > 1:  # stage 0 keeps what the last stage finished a tick ago for its next round
+                back = t - stages
+                rounds = put(rounds, jnp.maximum(back, 0) % M, handed, (back >= 0) & (back < (V - 1) * M))
+                fresh = jax.tree.map(lambda new, kept: jnp.where(v == 0, new, kept), fresh, take(rounds, m))
+            x = jax.tree.map(lambda own, h: jnp.where(first, own, h), fresh, handed)
+            y = inner(layer_fn, take(params_Vk, v), x, take(args_M, m))
+            done = t - (stages - 1)  # the work item the last stage finishes now, if any
+            out = put(out, done % M, y, last & (done >= (V - 1) * M) & (done < V * M))
+            return (jax.tree.map(lambda a: jax.lax.ppermute(a, STAGE, shift), y), rounds, out), None
 
-        empty = (take(jax.tree.map(jnp.zeros_like, carry_M), 0), jax.tree.map(jnp.zeros_like, carry_M))
-        (_, out), _ = jax.lax.scan(tick, empty, jnp.arange(schedule.ticks))
+        zeros = jax.tree.map(jnp.zeros_like, carry_M)
+        empty = (take(zeros, 0), zeros if V > 1 else None, zeros)
+        (_, _, out), _ = jax.lax.scan(tick, empty, jnp.arange(schedule.ticks))
         # Only the last stage wrote: the sum hands each stage its share of the micro-batches.
         return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True)[None], out)
 
     inputs = PartitionSpec(data, seq)  # every input leads with the rows, then the sequence
+    params_L = params_L if V == 1 else jax.tree.map(chunk_order, params_L)
     with manual_over(manual_axes() + manual), rows_split_over(row_axes):
         # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
         # of varying axes. An input a manual axis does not split (the weights over data; the

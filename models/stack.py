@@ -61,7 +61,8 @@ def unrolled_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "Stac
 
 
 def pipelined_layers(layer_fn: LayerFn, params_L, carry, args: tuple, spec: "StackSpec", gather=None):
-    return pipeline_layers(layer_fn, params_L, carry, args, spec.microbatches, inner=scan_layers, gather=gather)
+    return pipeline_layers(layer_fn, params_L, carry, args, spec.microbatches, inner=scan_layers, gather=gather,
+                           virtual_stages=spec.virtual_stages)
 
 
 # name -> strategy(layer_fn, params_L, carry, args, spec) -> carry
@@ -76,6 +77,7 @@ class StackSpec:
     # pipeline: each stage's weights made whole along `embed` (FSDP's split) once a step, before
     # the ticks, instead of gathered layer by layer at every tick; they then stay resident.
     weights_once: bool = False
+    virtual_stages: int = 1  # pipeline: rounds of the ring, each stage's layers cut into this many chunks
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:

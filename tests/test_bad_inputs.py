@@ -353,6 +353,12 @@ ROWS = [
     Row("stages-do-not-divide-layers", RANGE, "`verify --mesh stage=3 --exec layer_stack=pipeline` (4 layers)",
         lambda w: ["verify", *LLAMA, "--mesh", "stage=3", "--exec", "layer_stack=pipeline"],
         "3 pipeline stages do not divide the model's 4 layers", UNCHANGED),
+    Row("pipeline-virtual-stages-do-not-divide", RANGE,
+        "`verify --mesh stage=2 --exec pipeline_virtual_stages=3` (4 layers)",
+        lambda w: ["verify", *LLAMA, "--mesh", "stage=2", "--exec", "layer_stack=pipeline",
+                   "--exec", "pipeline_virtual_stages=3"],
+        "pipeline_virtual_stages=3: 3 virtual stages do not divide each of the 2 stages' 2 layers into equal chunks; "
+        "use 1, 2", UNCHANGED),
     Row("pipeline-microbatches-not-a-multiple", RANGE, "`verify --mesh stage=2 --exec pipeline_microbatches=3`",
         lambda w: ["verify", *LLAMA, "--mesh", "stage=2", "--exec", "layer_stack=pipeline",
                    "--exec", "pipeline_microbatches=3"],

@@ -376,7 +376,7 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
     re-priced under other efficiencies without compiling again; an fp8 row compiles with fp8
     matmuls, saying whose scaling recipe it priced; a pipelined row compiles as xlaopt's GPipe
-    loop and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
+    loop (over the row's virtual stages) and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
     row; stages that cannot be equal compile padded to equal ones, saying so. A100 rows are priced
     analytically with the reason."""
     small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
@@ -384,7 +384,8 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
              "micro_batch": "1"}
     rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "precision": "fp8"},
             {**small, "id": "X4", "gpu": "A100-SXM4-80GB"}, {**small, "id": "X5", "pp": "2", "fsdp": "1", "layers": "3"},
-            {**small, "id": "X6", "cp": "2", "fsdp": "1"}]
+            {**small, "id": "X6", "cp": "2", "fsdp": "1"},
+            {**small, "id": "X7", "pp": "2", "fsdp": "1", "layers": "3", "virtual_stages": "2"}]
     result = cal.calibrate(cal.read_runs(_write(tmp_path / "runs.csv", rows)), leave_one_out=False,
                            method="compiled", target="gpu")
     by_id = {r["id"]: r for r in result["rows"]}
@@ -397,6 +398,11 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
         "pipeline compiled as xlaopt's SPMD GPipe loop (1F1B in the row): the bubble is 1 of 4 + 1 ticks, every "
         "tick's activations held, the embedding and head on every stage's share of the rows"]
     assert by_id["X6"]["method"] == "compiled" and "Ulysses' all-to-alls" in by_id["X6"]["approximations"][0]
+    assert by_id["X7"]["method"] == "compiled" and by_id["X7"]["approximations"][0].startswith(
+        "3 layers compiled as 4 (2 on each of 2 equal stages")
+    assert by_id["X7"]["approximations"][1].startswith(
+        "pipeline compiled as xlaopt's SPMD GPipe loop over 2 virtual stages (the row's interleaved 1F1B over as "
+        "many has the same bubble): the bubble is 1 of 2 x 4 + 1 ticks")
     assert by_id["X3"]["method"] == "compiled" and by_id["X3"]["approximations"] == [
         "fp8 with per-tensor current scaling (the row's: fp8)"]
     assert "needs Hopper" in by_id["X4"]["reason"]

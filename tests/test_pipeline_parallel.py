@@ -74,6 +74,31 @@ def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():
         PipelineSchedule(stages=4, microbatches=6)
 
 
+def test_virtual_stages_go_round_the_ring_with_a_v_times_smaller_bubble():
+    """4 stages, 4 micro-batches, 2 virtual stages: every stage runs every (micro-batch, round)
+    once; a round starts on stage 0 only after the last stage finished the one before (a tick
+    later at the earliest, as the ring's send takes one); 11 ticks of half a stage's layers, the
+    bubble 3 of them, against GPipe's 3 of 7 ticks of the whole stage."""
+    P, M, V = 4, 4, 2
+    s = PipelineSchedule(stages=P, microbatches=M, virtual_stages=V)
+    assert s.ticks == V * M + P - 1 == 11 and s.bubble_fraction == pytest.approx(3 / 11)
+    at = {(p, t): s.work_at(p, t) for p in range(P) for t in range(s.ticks)}
+    for p in range(P):
+        assert sorted(w for t in range(s.ticks) if (w := at[p, t]) is not None) == [(m, v) for m in range(M)
+                                                                                   for v in range(V)]
+    tick_of = {(p, w): t for (p, t), w in at.items() if w is not None}
+    for m in range(M):
+        for v in range(V):
+            assert [tick_of[p, (m, v)] for p in range(P)] == list(range(tick_of[0, (m, v)], tick_of[0, (m, v)] + P))
+            if v:
+                assert tick_of[0, (m, v)] > tick_of[P - 1, (m, v - 1)]
+    # The bubble in a stage's own time: 3 ticks of 1/V of its layers against GPipe's 3 whole.
+    gpipe = PipelineSchedule(stages=P, microbatches=M)
+    assert (s.ticks - V * M) / V == pytest.approx((gpipe.ticks - M) / 2)
+    with pytest.raises(ValueError, match="use 1, 2, 4"):
+        PipelineSchedule(stages=2, microbatches=2, virtual_stages=3).check_layers(8)
+
+
 # References shared with other files' (so their compiles are too): one device, float32, layers
 # scanned: test_verify.py's for cosmos3-tiny, test_ulysses.py's for llama-tiny on 8 x 32 rows.
 CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that must apply)
@@ -90,6 +115,13 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
                                      {"ulysses-attention"}),
     "llama-four-stages-eight-microbatches": (get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
                                              dataclasses.replace(PIPELINE, pipeline_microbatches=8), None, set()),
+    # Two rounds of the ring (virtual stages): 4 layers in chunks of one, 4 micro-batches each
+    # kept on stage 0 between rounds (M > P); and M = P, where a round's result is used at once.
+    "llama-virtual-stages-fsdp-tensor": (get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
+                                         dataclasses.replace(PIPELINE, pipeline_microbatches=4,
+                                                             pipeline_virtual_stages=2), None, set()),
+    "cosmos3-virtual-stages-data": (get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,data=4", None,
+                                    dataclasses.replace(PIPELINE, pipeline_virtual_stages=2), None, set()),
 }
 @needs_devices(8)
 @pytest.mark.parametrize("case", CASES)
@@ -148,6 +180,22 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     # hierarchical-grads' per-layer reduction would run once per tick under a pipeline: it says so.
     reason = HierarchicalGrads().why_not(laid, PassContext.for_program(laid, parse_topology("h100:2x4")))
     assert "once per tick" in reason
+
+
+@needs_devices(8)
+def test_virtual_stages_send_round_the_ring_once_a_tick():
+    """llama-tiny (4 layers) on stage=2,fsdp=2,tensor=2 with 2 virtual stages, 4 micro-batches:
+    the compiled step's sends over `stage` form a ring (stage 1 hands each round back to stage 0)
+    and run once per tick, V M + P - 1 = 9 ticks, forward and backward."""
+    config, mesh, batch, execution, _, _ = CASES["llama-virtual-stages-fsdp-tensor"]
+    program = TrainProgram(config, MeshSpec.parse(mesh), settings=TrainSettings(batch=batch), execution=execution)
+    laid, _ = run_pipeline(program, pipeline())
+    sends = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+             if c.mesh_axes == ("stage",) and c.kind == "collective-permute"]
+    assert program.pipeline_schedule.ticks == 9
+    assert sends and all(c.executions == 9 for c in sends), [(c.name, c.executions) for c in sends]
+    # (source, target) pairs: with two stages a ring sends both ways (GPipe's only 0 -> 1).
+    assert all({(b, a) for a, b in c.replica_groups} == set(c.replica_groups) for c in sends)
 
 
 @needs_devices(8)

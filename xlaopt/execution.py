@@ -59,6 +59,9 @@ class ExecutionConfig:
     # pipeline's stages (0: one per stage; else a multiple of the stages)
     pipeline_microbatches: int = 0
     pipeline_schedule: str = "gpipe"  # layer_stack=pipeline: `xlaopt.models.pipeline.SCHEDULES`
+    # layer_stack=pipeline: virtual stages, each stage's layers cut into this many chunks that a
+    # micro-batch visits in rounds of the ring (MaxText's circular pipeline): a V times smaller bubble
+    pipeline_virtual_stages: int = 1
     # layer_stack=pipeline: each stage's FSDP-split weights gathered once a step (and their
     # gradients reduce-scattered once) instead of at every tick; costs the stage's whole weights
     pipeline_weights_once: bool = False
@@ -77,7 +80,8 @@ class ExecutionConfig:
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise UserError(f"execution setting {field}={getattr(self, field)!r}; use one of {', '.join(valid)}")
-        for field in ("attention_block", "attention_max_segments", "micro_batches", "loss_scale_growth_interval"):
+        for field in ("attention_block", "attention_max_segments", "micro_batches", "loss_scale_growth_interval",
+                      "pipeline_virtual_stages"):
             if getattr(self, field) < 1:
                 raise UserError(f"execution setting {field}={getattr(self, field)} must be at least 1")
         try:
@@ -96,7 +100,8 @@ class ExecutionConfig:
 
     @property
     def stack(self) -> StackSpec:
-        return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches, self.pipeline_weights_once)
+        return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches, self.pipeline_weights_once,
+                         self.pipeline_virtual_stages)
 
     @property
     def attention_spec(self) -> AttentionSpec:

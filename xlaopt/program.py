@@ -183,6 +183,12 @@ class TrainProgram:
         if microbatches % stages:
             raise UserError(f"execution setting pipeline_microbatches={microbatches} is not a multiple of the "
                             f"{stages} pipeline stages; use {stages}, {2 * stages}, ... (or 0: one per stage)")
+        try:
+            PipelineSchedule(max(stages, 1), microbatches, virtual_stages=execution.pipeline_virtual_stages) \
+                .check_layers(layers)
+        except ValueError as e:
+            raise UserError(f"execution setting pipeline_virtual_stages={execution.pipeline_virtual_stages}: {e}") \
+                from None
         row_axes = next((axes for logical, axes in self.rules if logical == "batch"), ())
         shards = math.prod(self.mesh.size(a) for a in row_axes if a != STAGE)
         rows = self.settings.batch.batch_size // execution.micro_batches
@@ -198,7 +204,9 @@ class TrainProgram:
         stages = self.mesh.size(STAGE)
         if self.execution.layer_stack != "pipeline" or stages == 1:
             return None
-        return PipelineSchedule(stages, self.execution.pipeline_microbatches or stages, self.execution.pipeline_schedule)
+        execution = self.execution
+        return PipelineSchedule(stages, execution.pipeline_microbatches or stages, execution.pipeline_schedule,
+                                execution.pipeline_virtual_stages)
 
     def replace(self, **changes) -> "TrainProgram":
         return dataclasses.replace(self, **changes)

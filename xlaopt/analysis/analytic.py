@@ -31,8 +31,8 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
 - pipeline: (m + (pp - 1) / v) micro-batch times of the slowest stage (v virtual stages per rank),
   plus one activation send forward and one gradient send backward per micro-batch exposed
   (Megatron's 1F1B, the head and loss on the last stage); xlaopt's SPMD loop
-  (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs m + pp - 1 ticks each way with a
-  send after every tick, and the embedding, head and loss outside the stages on each stage's
+  (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs v m + pp - 1 ticks each way of
+  1 / v of a stage's layers (the same bubble as interleaved 1F1B), with a send after every tick, and the embedding, head and loss outside the stages on each stage's
   share of the rows, so they are off the pipeline's critical path and out of its bubble;
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
 - frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
@@ -326,10 +326,12 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: T
 
 def _pp_send_s(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
     """Pipeline sends: one activation forward and one gradient backward per micro-batch (per
-    tick in the SPMD loop, whose next tick waits on each)."""
+    tick in the SPMD loop, whose next tick waits on each: V m + pp - 1 ticks with V virtual
+    stages)."""
     if layout.pp <= 1:
         return 0.0
-    sends = layout.micro_batches + (layout.pp - 1 if software.pipeline == "spmd" else 0)
+    m = layout.micro_batches
+    sends = layout.virtual_stages * m + layout.pp - 1 if software.pipeline == "spmd" else m
     pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
     level, link_eff = _level(topology, pp_span, eff)
     send_bytes = layer.act_bytes / (layout.tp if software.sequence_parallel else 1)

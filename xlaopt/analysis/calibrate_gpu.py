@@ -18,7 +18,8 @@ A row the GPU target cannot build says why and is priced analytically (`calibrat
 parallel whose heads Ulysses cannot split, a GPU without a target config, an A100 (cuDNN's packed
 attention needs Hopper). Pipeline stages that cannot hold equal layer counts compile with the
 layers padded to a multiple of the stages (`stage_layers`), said among the approximations. A pipelined row
-compiles as xlaopt's SPMD GPipe loop (its micro-batches the row's), context parallel as Ulysses on
+compiles as xlaopt's SPMD GPipe loop (its micro-batches and virtual stages the row's: interleaved 1F1B's
+bubble, GPipe's held activations), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
 A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
@@ -72,9 +73,10 @@ def stage_layers(run) -> int:
     counts (Llama 3 405B's 126 over 8), the next multiple of the stages. xlaopt builds equal stages
     only. A pipeline's tick lasts as long as its longest stage, which an uneven cut (Megatron's puts
     fewer layers on the stages holding the embedding or the loss) shares with this one; what the pad
-    adds is its layers' compute."""
+    adds is its layers' compute. With virtual stages, a multiple of stages x virtual stages."""
     layers, pp = run.shape.layers, run.layout.pp
-    return -(-layers // pp) * pp if pp > 1 else layers
+    chunks = pp * run.layout.virtual_stages
+    return -(-layers // chunks) * chunks if pp > 1 else layers
 
 
 def approximations(priced) -> list[str]:
@@ -92,10 +94,12 @@ def approximations(priced) -> list[str]:
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
     if layout.pp > 1:
-        ran = f"interleaved 1F1B with {layout.virtual_stages} virtual stages" if layout.virtual_stages > 1 else "1F1B"
-        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop ({ran} in the row): the bubble is "
-                     f"{layout.pp - 1} of {layout.micro_batches:g} + {layout.pp - 1} ticks, every tick's activations "
-                     f"held, the embedding and head on every stage's share of the rows")
+        v, m = layout.virtual_stages, layout.micro_batches
+        loop, ran, ticks = ((f" over {v} virtual stages", "the row's interleaved 1F1B over as many has the same "
+                             "bubble", f"{v} x ") if v > 1 else ("", "1F1B in the row", ""))
+        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop{loop} ({ran}): the bubble is "
+                     f"{layout.pp - 1} of {ticks}{m:g} + {layout.pp - 1} ticks, every tick's activations held, the "
+                     f"embedding and head on every stage's share of the rows")
     if layout.cp > 1:
         notes.append("context parallel compiled as Ulysses' all-to-alls around cuDNN on whole rows (the row's "
                      "framework passes K and V round a ring)")
@@ -151,7 +155,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
                                     sharded_optimizer=sw.sharded_optimizer and layout.dp > 1)
     if layout.pp > 1:  # the row's micro-batches run through the stages in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
-                                        pipeline_microbatches=int(layout.micro_batches))
+                                        pipeline_microbatches=int(layout.micro_batches),
+                                        pipeline_virtual_stages=layout.virtual_stages)
     try:
         config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run))
         program = TrainProgram(config, mesh, rules=rules, target="gpu", execution=execution,

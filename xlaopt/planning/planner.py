@@ -94,7 +94,8 @@ def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
                                     sharded_optimizer=c.sharded_optimizer)
     if c.pp > 1:  # the micro-batches are the pipeline's, run in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
-                                        pipeline_microbatches=c.micro_batches, pipeline_weights_once=c.weights_once)
+                                        pipeline_microbatches=c.micro_batches, pipeline_weights_once=c.weights_once,
+                                        pipeline_virtual_stages=c.virtual_stages)
     rules = with_sequence_parallel(base.rules) if c.sequence_parallel else base.rules
     return base.replace(mesh=c.mesh, rules=rules, execution=execution, shardings=None)
 

@@ -75,7 +75,8 @@ def analytic_layout(candidate: Candidate, batch: BatchShape) -> analytic.Paralle
     rows_per_micro_batch = batch.batch_size // (candidate.data * candidate.micro_batches)
     return analytic.Parallelism(dp=candidate.dp, fsdp=candidate.fsdp, tp=candidate.tp, pp=candidate.pp,
                                 cp=candidate.cp, global_batch=batch.batch_size,
-                                seq_len=batch.text_len + batch.gen_len, micro_batch=max(rows_per_micro_batch, 1))
+                                seq_len=batch.text_len + batch.gen_len, micro_batch=max(rows_per_micro_batch, 1),
+                                virtual_stages=candidate.virtual_stages)
 
 
 def price(candidate: Candidate, shape: analytic.DecoderShape, batch: BatchShape, topology: Topology, target: str,
@@ -136,9 +137,10 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
-    # The pipeline keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`), and
-    # the head runs after it on the stage's share of all micro-batches' rows.
-    held = c.micro_batches + c.pp - 1 if c.pp > 1 else 1
+    # The pipeline keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`, each
+    # tick 1 / V of the stage's layers), and the head runs after it on the stage's share of all
+    # micro-batches' rows.
+    held = c.micro_batches + (c.pp - 1) / c.virtual_stages if c.pp > 1 else 1
     head_tokens = tokens * c.micro_batches / c.pp if c.pp > 1 else tokens
     formula = saved_per_token_layer(shape, c.tp, compute, c.sequence_parallel)
     saved = formula
@@ -166,6 +168,7 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
         "working": (layer_working * tokens + (4.0 + compute) * head_tokens * logits_fraction * shape.vocab / c.tp
                     + attention_logits),
     }
-    if c.pp > 1:  # the stage's input and output, all micro-batches of them
-        parts["pipeline_buffers"] = 2.0 * compute * shape.d_model * tokens * c.micro_batches
+    if c.pp > 1:  # the stage's input and output, all micro-batches of them (and between rounds, stage 0's)
+        buffers = 2.0 if c.virtual_stages == 1 else 3.0
+        parts["pipeline_buffers"] = buffers * compute * shape.d_model * tokens * c.micro_batches
     return parts

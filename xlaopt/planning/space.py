@@ -47,6 +47,10 @@ def check_precisions(names) -> tuple[str, ...]:
         raise UserError(f"precision {', '.join(bad) or '(none)'!s}: precisions are {', '.join(PRECISIONS)}")
     return tuple(names)
 MAX_MICRO_BATCHES = 8
+# Virtual stages tried with a pipeline (each dividing a stage's layers): the bubble shrinks V
+# times for V - 1 more sends a round; past 4 the sends outweigh what is left of the bubble at
+# the planner's micro-batch counts.
+VIRTUAL_STAGES = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -62,6 +66,7 @@ class Candidate:
     matmuls: str = "compute"  # "fp8": the projections' matmuls (`xlaopt.models.fp8`)
     pp: int = 1  # pipeline stages; with pp > 1, micro_batches are the pipeline's (`xlaopt.models.pipeline`)
     weights_once: bool = False  # pp > 1 with FSDP: each stage's weights gathered once a step, not per tick
+    virtual_stages: int = 1  # pp > 1: rounds of the ring, a stage's layers in this many chunks
     sharded_optimizer: bool = False  # dp > 1: ZeRO-1, the moments split over the replicas too
 
     @property
@@ -90,7 +95,8 @@ class Candidate:
 
     def __str__(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "fp8": "fp8"}[self.precision]
-        stages = f" pp={self.pp}{' weights-once' if self.weights_once else ''}" if self.pp > 1 else ""
+        stages = (f" pp={self.pp}{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''}"
+                  f"{' weights-once' if self.weights_once else ''}" if self.pp > 1 else "")
         return (f"dp={self.dp}{' zero1' if self.sharded_optimizer else ''} fsdp={self.fsdp} tp={self.tp}"
                 f"{' sp' if self.sequence_parallel else ''} cp={self.cp}{stages} remat={self.remat} "
                 f"mb={self.micro_batches} {dtype}")
@@ -137,12 +143,13 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                 for remat in remats:
                     for mb in micro:
                         for precision in precisions:
-                            for once, zero1 in itertools.product((False, True) if pp > 1 and fsdp > 1 else (False,),
-                                                                 (False, True) if base.dp > 1 else (False,)):
+                            for once, zero1, v in itertools.product((False, True) if pp > 1 and fsdp > 1 else (False,),
+                                                                    (False, True) if base.dp > 1 else (False,),
+                                                                    _virtual_stages(config, pp, stacked)):
                                 dtype, matmuls = _PRECISION[precision]
                                 c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
                                                         matmuls=matmuls, sequence_parallel=sp, weights_once=once,
-                                                        sharded_optimizer=zero1)
+                                                        sharded_optimizer=zero1, virtual_stages=v)
                                 why = (split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
                                        or _pipeline_target_reason(c, target))
                                 (rejected.append(Rejected(c, why)) if why else ok.append(c))
@@ -163,6 +170,13 @@ def pipeline_stages(nodes: int) -> tuple[int, ...]:
     A stage hands on one activation a tick, point to point, which crosses the network well; the
     links inside a node are kept for tensor and context parallelism (Megatron's placement)."""
     return tuple(_divisors(nodes))
+
+
+def _virtual_stages(config, pp: int, stacked: bool) -> tuple[int, ...]:
+    """The virtual stage counts tried on `pp` stages: those that cut a stage's layers evenly."""
+    if pp == 1 or not stacked or config.num_layers % pp:
+        return (1,)
+    return tuple(v for v in VIRTUAL_STAGES if (config.num_layers // pp) % v == 0)
 
 
 def _pipeline_reason(c: Candidate, config, batch: BatchShape, stacked: bool) -> str:
