@@ -124,19 +124,10 @@ def stages_of_mesh() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(STAGE, 1)
 
 
-def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable,
-                    gather: Callable | None = None, virtual_stages: int = 1):
-    """The layers of `params_L` ([L, ...] leaves) over `carry`, pipelined over the mesh's stages
-    in `microbatches` micro-batches (0: one per stage) and `virtual_stages` rounds of the ring;
-    `inner(layer_fn, params_k, carry, args)` runs a stage's own k layers of one round;
-    `gather(params_k) -> params_k`, where given, lays out a stage's weights once before the ticks
-    (`StackSpec.weights_once`). One stage: `inner` over all layers, the same numbers."""
-    stages = stages_of_mesh()
-    if stages == 1:
-        return inner(layer_fn, params_L, carry, args)
-    schedule = PipelineSchedule(stages, microbatches or stages, virtual_stages=virtual_stages)
-    M, V = schedule.microbatches, schedule.virtual_stages
-    schedule.check_layers(jax.tree.leaves(params_L)[0].shape[0])
+def _micro_batching(carry, args, M: int, stages: int):
+    """(data, seq, row_axes, split, merge): the axes the pipeline's shard_map takes manual beside
+    `stage` (None where not), what splits a data rank's rows inside a stage, and the cut of the
+    stack's inputs into M micro-batches and its inverse."""
     rows = {x.shape[0] for x in jax.tree.leaves((carry, args))}
     if len(rows) != 1:
         raise ValueError(f"pipeline: every input of the layer stack must lead with the batch's rows; got leading "
@@ -152,8 +143,7 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
     # ranks hold whole weights too, and every op outside attention reads its own tokens alone.
     seq = attention_sequence_axis()
     seq = seq if seq and sizes.get(seq, 1) > 1 and seq not in manual_axes() else None
-    manual = tuple(a for a in (STAGE, data, seq) if a)
-    row_axes = tuple(a for a in batch_mesh_axes() if a not in manual)  # what splits a data rank's rows in a stage
+    row_axes = tuple(a for a in batch_mesh_axes() if a not in (STAGE, data, seq))
     D, local_B = math.prod(sizes[a] for a in row_axes), B // (sizes[data] if data else 1)
     if local_B % (M * D):
         raise ValueError(f"pipeline: {B} rows do not split into {M} micro-batches over {D} row shards")
@@ -167,9 +157,31 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         y = jnp.moveaxis(y.reshape(y.shape[0], stages, M // stages, D, r, *y.shape[3:]), 3, 1)
         return y.reshape(B, *y.shape[5:])
 
-    def chunk_order(w):  # [L, ...] in layer order -> stage p's V chunks (v * P + p for each v) contiguous
-        w = w.reshape(V, stages, w.shape[0] // (V * stages), *w.shape[1:])
-        return jnp.swapaxes(w, 0, 1).reshape(-1, *w.shape[3:])
+    return data, seq, row_axes, split, merge
+
+
+def _chunk_order(w, stages: int, V: int):
+    """[L, ...] in layer order -> each stage's V chunks (v * P + p for each v) contiguous, so the
+    rule table's contiguous split over `stage` hands stage p its own."""
+    w = w.reshape(V, stages, w.shape[0] // (V * stages), *w.shape[1:])
+    return jnp.swapaxes(w, 0, 1).reshape(-1, *w.shape[3:])
+
+
+def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable,
+                    gather: Callable | None = None, virtual_stages: int = 1):
+    """The layers of `params_L` ([L, ...] leaves) over `carry`, pipelined over the mesh's stages
+    in `microbatches` micro-batches (0: one per stage) and `virtual_stages` rounds of the ring;
+    `inner(layer_fn, params_k, carry, args)` runs a stage's own k layers of one round;
+    `gather(params_k) -> params_k`, where given, lays out a stage's weights once before the ticks
+    (`StackSpec.weights_once`). One stage: `inner` over all layers, the same numbers."""
+    stages = stages_of_mesh()
+    if stages == 1:
+        return inner(layer_fn, params_L, carry, args)
+    schedule = PipelineSchedule(stages, microbatches or stages, virtual_stages=virtual_stages)
+    M, V = schedule.microbatches, schedule.virtual_stages
+    schedule.check_layers(jax.tree.leaves(params_L)[0].shape[0])
+    data, seq, row_axes, split, merge = _micro_batching(carry, args, M, stages)
+    manual = tuple(a for a in (STAGE, data, seq) if a)
 
     # A ring where rounds follow each other: the last stage's result goes back to stage 0.
     shift = [(p, (p + 1) % stages) for p in range(stages - (V == 1))]
@@ -207,7 +219,7 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True)[None], out)
 
     inputs = PartitionSpec(data, seq)  # every input leads with the rows, then the sequence
-    params_L = params_L if V == 1 else jax.tree.map(chunk_order, params_L)
+    params_L = params_L if V == 1 else jax.tree.map(lambda w: _chunk_order(w, stages, V), params_L)
     with manual_over(manual_axes() + manual), rows_split_over(row_axes):
         # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
         # of varying axes. An input a manual axis does not split (the weights over data; the
