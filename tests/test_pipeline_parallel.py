@@ -102,13 +102,8 @@ def test_virtual_stages_go_round_the_ring_with_a_v_times_smaller_bubble():
 # References shared with other files' (so their compiles are too): one device, float32, layers
 # scanned: test_verify.py's for cosmos3-tiny, test_ulysses.py's for llama-tiny on 8 x 32 rows.
 CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that must apply)
-    "llama-fsdp-tensor-collective-matmul-weights-once": (
-        LLAMA_TINY, "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
-        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_weights_once=True),
-        {"collective-matmul": {"enabled": True}}, {"collective-matmul"}),
     "llama-data-context-ulysses": (LLAMA_TINY, "stage=2,data=2,context=2", BatchShape(8, 32, 0), PIPELINE, None,
                                    {"ulysses-attention"}),
-    "cosmos3-fsdp-tensor": (COSMOS3_TINY, "stage=2,fsdp=2,tensor=2", None, PIPELINE, None, set()),
     # Data and context manual in the stages: the joint attention's Ulysses all-to-alls on each
     # device's chunks of both towers' sequences.
     "cosmos3-data-context-ulysses": (COSMOS3_TINY, "stage=2,data=2,context=2", None, PIPELINE, None,
@@ -116,12 +111,14 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
     "llama-four-stages-eight-microbatches": (get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
                                              dataclasses.replace(PIPELINE, pipeline_microbatches=8), None, set()),
     # Two rounds of the ring (virtual stages): 4 layers in chunks of one, 4 micro-batches each
-    # kept on stage 0 between rounds (M > P); and M = P, where a round's result is used at once.
-    "llama-virtual-stages-fsdp-tensor": (get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
-                                         dataclasses.replace(PIPELINE, pipeline_microbatches=4,
-                                                             pipeline_virtual_stages=2), None, set()),
-    "cosmos3-virtual-stages-data": (get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,data=4", None,
-                                    dataclasses.replace(PIPELINE, pipeline_virtual_stages=2), None, set()),
+    # kept on stage 0 between rounds (M > P), each stage's weights gathered once and reordered;
+    # and M = P, where a round's result is used at once.
+    "llama-virtual-stages-fsdp-tensor-collective-matmul-weights-once": (
+        get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_weights_once=True, pipeline_virtual_stages=2),
+        {"collective-matmul": {"enabled": True}}, {"collective-matmul"}),
+    "cosmos3-virtual-stages-fsdp-tensor": (get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2",
+                                           None, dataclasses.replace(PIPELINE, pipeline_virtual_stages=2), None, set()),
 }
 @needs_devices(8)
 @pytest.mark.parametrize("case", CASES)
@@ -186,12 +183,16 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
 def test_virtual_stages_send_round_the_ring_once_a_tick():
     """llama-tiny (4 layers) on stage=2,fsdp=2,tensor=2 with 2 virtual stages, 4 micro-batches:
     the compiled step's sends over `stage` form a ring (stage 1 hands each round back to stage 0)
-    and run once per tick, V M + P - 1 = 9 ticks, forward and backward."""
-    config, mesh, batch, execution, _, _ = CASES["llama-virtual-stages-fsdp-tensor"]
+    and run once per tick, V M + P - 1 = 9 ticks, forward and backward; the weights' reorder into
+    chunk order (and their gradients' back) are all-to-alls over `stage` once a step."""
+    config, mesh, batch, execution, _, _ = CASES["llama-virtual-stages-fsdp-tensor-collective-matmul-weights-once"]
     program = TrainProgram(config, MeshSpec.parse(mesh), settings=TrainSettings(batch=batch), execution=execution)
     laid, _ = run_pipeline(program, pipeline())
-    sends = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
-             if c.mesh_axes == ("stage",) and c.kind == "collective-permute"]
+    over_stage = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+                  if c.mesh_axes == ("stage",)]
+    sends = [c for c in over_stage if c.kind == "collective-permute"]
+    reorders = [c for c in over_stage if c.kind == "all-to-all"]
+    assert len(reorders) > 2 and all(c.executions == 1 for c in reorders), [(c.name, c.executions) for c in reorders]
     assert program.pipeline_schedule.ticks == 9
     assert sends and all(c.executions == 9 for c in sends), [(c.name, c.executions) for c in sends]
     # (source, target) pairs: with two stages a ring sends both ways (GPipe's only 0 -> 1).
