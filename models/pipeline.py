@@ -37,6 +37,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import DATA, STAGE
@@ -160,11 +161,41 @@ def _micro_batching(carry, args, M: int, stages: int):
     return data, seq, row_axes, split, merge
 
 
-def _chunk_order(w, stages: int, V: int):
-    """[L, ...] in layer order -> each stage's V chunks (v * P + p for each v) contiguous, so the
-    rule table's contiguous split over `stage` hands stage p its own."""
-    w = w.reshape(V, stages, w.shape[0] // (V * stages), *w.shape[1:])
-    return jnp.swapaxes(w, 0, 1).reshape(-1, *w.shape[3:])
+def _chunk_routes(stages: int, V: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each layer chunk goes when a stage's contiguous layers (chunks qV .. qV + V - 1 on
+    stage q, as the rule table splits them) are reordered into its round order (chunk vP + p is
+    stage p's v-th): `send[q, p, i]`, the local chunk stage q sends stage p as its i-th (-1:
+    none), and `take[p, v]`, the (source stage, i) stage p's v-th chunk arrives as."""
+    slots = -(-V // stages)
+    send, take = np.full((stages, stages, slots), -1), np.zeros((stages, V, 2), int)
+    for c in range(stages * V):
+        (q, j), (v, p) = divmod(c, V), divmod(c, stages)
+        i = int(np.sum(send[q, p] >= 0))
+        send[q, p, i], take[p, v] = j, (q, i)
+    return send, take
+
+
+def _to_round_order(w, stages: int, V: int):
+    """Inside the shard_map manual over `stage`: this stage's [V k, ...] contiguous layers -> its
+    V chunks in round order. Each chunk moves once, point to point: one `ppermute` per (shift,
+    slot) over the stages that have a chunk for it (a stage keeps its own chunks). Left to the
+    partitioner the reorder is an all-to-all where V and P divide one another, and otherwise
+    every stage gathers every stage's weights."""
+    send, take = _chunk_routes(stages, V)
+    stage = jax.lax.axis_index(STAGE)
+    chunks = w.reshape(V, w.shape[0] // V, *w.shape[1:])
+    received, where = [], np.zeros((stages, V), int)  # where[p, v]: the received buffer of p's v-th chunk
+    for shift in range(stages):
+        for slot in range(send.shape[2]):
+            local = send[np.arange(stages), (np.arange(stages) + shift) % stages, slot]
+            pairs = [(q, (q + shift) % stages) for q in range(stages) if local[q] >= 0]
+            if not pairs:
+                continue
+            pick = chunks[jnp.asarray(np.maximum(local, 0))[stage]]
+            received.append(pick if shift == 0 else jax.lax.ppermute(pick, STAGE, pairs))
+            for p in range(stages):
+                where[p][[v for v in range(V) if tuple(take[p, v]) == ((p - shift) % stages, slot)]] = len(received) - 1
+    return jnp.stack(received)[jnp.asarray(where)[stage]].reshape(w.shape)
 
 
 def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatches: int, inner: Callable,
@@ -189,6 +220,8 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
     def local(params_k, carry, args):
         if gather is not None:
             params_k = gather(params_k)
+        if V > 1:
+            params_k = jax.tree.map(lambda w: _to_round_order(w, stages, V), params_k)
         params_Vk = jax.tree.map(lambda w: w.reshape(V, w.shape[0] // V, *w.shape[1:]), params_k)
         carry_M, args_M = jax.tree.map(split, carry), jax.tree.map(split, args)
         stage = jax.lax.axis_index(STAGE)
@@ -219,7 +252,6 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
         return jax.tree.map(lambda o: jax.lax.psum_scatter(o, STAGE, scatter_dimension=0, tiled=True)[None], out)
 
     inputs = PartitionSpec(data, seq)  # every input leads with the rows, then the sequence
-    params_L = params_L if V == 1 else jax.tree.map(lambda w: _chunk_order(w, stages, V), params_L)
     with manual_over(manual_axes() + manual), rows_split_over(row_axes):
         # Unchecked, as the attentions' own shard_maps inside are: their custom VJPs know nothing
         # of varying axes. An input a manual axis does not split (the weights over data; the

@@ -324,18 +324,23 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: T
         cm.memory_time_s(_LOSS_BYTES_PER_LOGIT * layer.tokens * shape.vocab / layout.tp, dev.hbm_bytes_per_s)
 
 
-def _pp_send_s(layer: _Layer, layout: Parallelism, topology: Topology, software: Software, eff: cm.Efficiency) -> float:
+def _pp_send_s(layer: _Layer, stage_weights: float, layout: Parallelism, topology: Topology, software: Software,
+               eff: cm.Efficiency) -> float:
     """Pipeline sends: one activation forward and one gradient backward per micro-batch (per
     tick in the SPMD loop, whose next tick waits on each: V m + pp - 1 ticks with V virtual
-    stages)."""
+    stages). The SPMD loop with V > 1 also reorders each stage's weights (`stage_weights`
+    parameters a device holds, fp32) into round order before the ticks and their gradients back
+    after them: all but the 1 / pp of the chunks a stage keeps cross to another stage."""
     if layout.pp <= 1:
         return 0.0
     m = layout.micro_batches
-    sends = layout.virtual_stages * m + layout.pp - 1 if software.pipeline == "spmd" else m
+    spmd = software.pipeline == "spmd"
+    sends = layout.virtual_stages * m + layout.pp - 1 if spmd else m
     pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
     level, link_eff = _level(topology, pp_span, eff)
     send_bytes = layer.act_bytes / (layout.tp if software.sequence_parallel else 1)
-    return sends * 2 * cm.send_time_s(send_bytes, level, link_eff)
+    reorder_bytes = 4.0 * stage_weights * (1 - 1 / layout.pp) if spmd and layout.virtual_stages > 1 else 0.0
+    return sends * 2 * cm.send_time_s(send_bytes, level, link_eff) + 2 * cm.send_time_s(reorder_bytes, level, link_eff)
 
 
 def _dp_exposed(layer: _Layer, layers_per_stage: float, params_per_gpu: float, layout: Parallelism,
@@ -429,7 +434,8 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
         cp_exposed_s=m * layers_per_stage * cp_exp,
         fsdp_exposed_s=m * (layers_per_stage * fsdp_exp_layer + fsdp_first) + fsdp_once,
         dp_exposed_s=_dp_exposed(layer, layers_per_stage, params_per_gpu, layout, topology, software, eff),
-        pp_send_s=_pp_send_s(layer, layout, topology, software, eff),
+        pp_send_s=_pp_send_s(layer, layers_per_stage * shape.layer_params / (layout.tp * max(layout.fsdp, 1)), layout, topology,
+                             software, eff),
         optimizer_s=_optimizer_s(params_per_gpu, layout, topology, software),
     )
 

@@ -31,8 +31,9 @@ def register(sub) -> None:
                         "devices and price the HLO with the simulator, the rest analytically (about a minute)")
     p.add_argument("--target", default="cpu", choices=("cpu", "gpu"),
                    help="what --method compiled compiles for: simulated CPU devices (default), or deviceless for "
-                        "each row's GPUs, whole step, priced from XLA's GPU schedule (needs xlaopt[gpu-aot]; rows "
-                        "it cannot build yet, pipeline, context parallel or fp8, are priced analytically)")
+                        "each row's GPUs, whole step, priced from XLA's GPU schedule (needs xlaopt[gpu-aot]; a "
+                        "row it cannot build, e.g. A100's or a context split Ulysses cannot make, is priced "
+                        "analytically and says why)")
     p.add_argument("--fit", action="store_true",
                    help="refit the efficiencies on the CSV's modelled rows and print them to 3 significant "
                         "figures beside the frozen costmodel.FITTED (changes nothing)")

@@ -48,8 +48,7 @@ def check_precisions(names) -> tuple[str, ...]:
     return tuple(names)
 MAX_MICRO_BATCHES = 8
 # Virtual stages tried with a pipeline (each dividing a stage's layers): the bubble shrinks V
-# times for V - 1 more sends a round; past 4 the sends outweigh what is left of the bubble at
-# the planner's micro-batch counts.
+# times, for a send each of V times as many ticks and the stage's weights reordered once a step.
 VIRTUAL_STAGES = (1, 2, 4)
 
 
