@@ -67,7 +67,8 @@ def test_data_replicas_are_planned_with_whole_or_zero1_moments_and_priced_so():
 def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
     """Stages are the outermost mesh axis; a pipeline's micro-batches are multiples of its
     stages that split each data rank's rows; FSDP candidates come with each stage's weights
-    gathered per tick and once a step; what cannot be built says why."""
+    gathered per tick and once a step, and with each virtual stage count that cuts a stage's
+    layers evenly (llama-tiny's 2 a stage into 1 or 2 chunks); what cannot be built says why."""
     config = get_config("llama-tiny")  # 4 layers
     ok, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "cudnn", ("bfloat16",), stages=(1, 2, 8))
     staged = [c for c in ok if c.pp > 1]
@@ -77,6 +78,8 @@ def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
     assert {c.weights_once for c in staged if c.fsdp > 1} == {False, True}
     assert not any(c.weights_once for c in staged if c.fsdp == 1)
     assert staged[0].mesh.size("stage") == 2 and "+PP2" in staged[0].kind
+    assert {c.virtual_stages for c in staged} == {1, 2} and {c.virtual_stages for c in ok if c.pp == 1} == {1}
+    assert " pp=2 v=2 " in str(next(c for c in staged if c.virtual_stages == 2))
     reasons = {r.reason for r in rejected}
     assert "8 pipeline stages do not divide the model's 4 layers (2, 4 do)" in reasons
     _, rejected = enumerate_space(config, BatchShape(16, 32, 0), 16, 8, "dense", ("bfloat16",), stages=(2,),
@@ -317,6 +320,7 @@ def test_the_plan_states_the_best_layout_for_each_stage_count(tmp_path, capsys):
     program = result.program_for(result.best.candidate)
     assert program.mesh.size("stage") == 2 and program.execution.micro_batches == 1
     assert program.pipeline_schedule.microbatches == result.best.candidate.micro_batches
+    assert program.pipeline_schedule.virtual_stages == result.best.candidate.virtual_stages
 
 
 def test_a_plan_that_fits_nowhere_names_a_topology_where_the_same_plan_fits():

@@ -47,9 +47,10 @@ def check_precisions(names) -> tuple[str, ...]:
         raise UserError(f"precision {', '.join(bad) or '(none)'!s}: precisions are {', '.join(PRECISIONS)}")
     return tuple(names)
 MAX_MICRO_BATCHES = 8
-# Virtual stages tried with a pipeline (each dividing a stage's layers): the bubble shrinks V
-# times, for a send each of V times as many ticks and the stage's weights reordered once a step.
-VIRTUAL_STAGES = (1, 2, 4)
+# Virtual stages tried with a pipeline: each count up to this that divides a stage's layers. The
+# bubble shrinks V times, for a send each of V times as many ticks and the stage's weights
+# reordered once a step.
+MAX_VIRTUAL_STAGES = 8
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -175,7 +176,7 @@ def _virtual_stages(config, pp: int, stacked: bool) -> tuple[int, ...]:
     """The virtual stage counts tried on `pp` stages: those that cut a stage's layers evenly."""
     if pp == 1 or not stacked or config.num_layers % pp:
         return (1,)
-    return tuple(v for v in VIRTUAL_STAGES if (config.num_layers // pp) % v == 0)
+    return tuple(v for v in range(1, MAX_VIRTUAL_STAGES + 1) if (config.num_layers // pp) % v == 0)
 
 
 def _pipeline_reason(c: Candidate, config, batch: BatchShape, stacked: bool) -> str:
