@@ -240,7 +240,7 @@ def pipeline_layers(layer_fn: Callable, params_L, carry, args: tuple, microbatch
                 rounds = put(rounds, jnp.maximum(back, 0) % M, handed, (back >= 0) & (back < (V - 1) * M))
                 fresh = jax.tree.map(lambda new, kept: jnp.where(v == 0, new, kept), fresh, take(rounds, m))
             x = jax.tree.map(lambda own, h: jnp.where(first, own, h), fresh, handed)
-            y = inner(layer_fn, take(params_Vk, v), x, take(args_M, m))
+            y = inner(layer_fn, take(params_Vk, v) if V > 1 else params_k, x, take(args_M, m))
             done = t - (stages - 1)  # the work item the last stage finishes now, if any
             out = put(out, done % M, y, last & (done >= (V - 1) * M) & (done < V * M))
             return (jax.tree.map(lambda a: jax.lax.ppermute(a, STAGE, shift), y), rounds, out), None
