@@ -190,9 +190,10 @@ def test_stages_hold_their_own_layers_and_send_each_microbatch_on():
     # of the step's two tick loops (forward and backward), each loop's time from the simulation.
     result = analyze(laid, parse_topology("cpu:1x8"))
     p = result["pipeline"]
-    assert {k: p[k] for k in ("schedule", "stages", "microbatches", "ticks", "bubble_fraction", "saved_ticks")} == {
-        "schedule": "gpipe", "stages": 2, "microbatches": 4, "ticks": ticks, "bubble_fraction": 1 / ticks,
-        "saved_ticks": ticks}
+    assert {k: p[k] for k in ("schedule", "stages", "microbatches", "virtual_stages", "ticks", "bubble_fraction",
+                              "saved_ticks")} == {
+        "schedule": "gpipe", "stages": 2, "microbatches": 4, "virtual_stages": 1, "ticks": ticks,
+        "bubble_fraction": 1 / ticks, "saved_ticks": ticks}
     loops = {loop["name"]: loop for loop in result["schedule"]["loops"]}
     assert len(p["tick_loops"]) == 2 and all(loops[n]["trip_count"] == ticks for n in p["tick_loops"])
     assert p["tick_loops_s"] == pytest.approx(sum(loops[n]["time_s"] for n in p["tick_loops"]))
@@ -224,6 +225,10 @@ def test_virtual_stages_send_round_the_ring_once_a_tick():
     assert sends and all(c.executions == 9 for c in sends), [(c.name, c.executions) for c in sends]
     # (source, target) pairs: with two stages a ring sends both ways (GPipe's only 0 -> 1).
     assert all({(b, a) for a, b in c.replica_groups} == set(c.replica_groups) for c in sends)
+    result = analyze(laid, parse_topology("cpu:1x8"))
+    assert len(result["pipeline"]["tick_loops"]) == 2
+    assert "pipeline: gpipe, 2 stages x 2 virtual stages x 4 micro-batches: 9 ticks, the bubble 11.1%" in \
+        format_analysis(result)
 
 
 @needs_devices(8)

@@ -167,8 +167,9 @@ def _pipeline_json(program: TrainProgram, loops: list[dict], loop_time_s: dict, 
     s = program.pipeline_schedule
     if s is None:
         return None
-    out = {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches, "ticks": s.ticks,
-           "bubble_fraction": s.bubble_fraction, "saved_ticks": s.saved_ticks}
+    out = {"schedule": s.name, "stages": s.stages, "microbatches": s.microbatches,
+           "virtual_stages": s.virtual_stages, "ticks": s.ticks, "bubble_fraction": s.bubble_fraction,
+           "saved_ticks": s.saved_ticks}
     ticking = [loop["name"] for loop in loops if loop.get("ops") and loop["trip_count"] == s.ticks]
     if ticking:
         loops_s = sum(loop_time_s[name] for name in ticking)
@@ -306,7 +307,8 @@ def format_analysis(result: dict) -> str:
     ]
     if result.get("pipeline"):
         p = result["pipeline"]
-        lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages x {p['microbatches']} micro-batches: "
+        rounds = f" x {p['virtual_stages']} virtual stages" if p.get("virtual_stages", 1) > 1 else ""
+        lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages{rounds} x {p['microbatches']} micro-batches: "
                      f"{p['ticks']} ticks, the bubble {p['bubble_fraction'] * 100:.1f}% of each device's ticks; "
                      f"a stage holds {p['saved_ticks']} ticks' activations for the backward"
                      + (f"; as priced a tick (forward and backward) {p['tick_s'] * 1e3:,.1f} ms, the bubble "
