@@ -32,8 +32,9 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   plus one activation send forward and one gradient send backward per micro-batch exposed
   (Megatron's 1F1B, the head and loss on the last stage); xlaopt's SPMD loop
   (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs v m + pp - 1 ticks each way of
-  1 / v of a stage's layers (the same bubble as interleaved 1F1B), with a send after every tick, and the embedding, head and loss outside the stages on each stage's
-  share of the rows, so they are off the pipeline's critical path and out of its bubble;
+  1 / v of a stage's layers (the same bubble as interleaved 1F1B), with a send after every
+  tick, and the embedding, head and loss outside the stages on each stage's share of the rows,
+  so they are off the pipeline's critical path and out of its bubble;
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
 - frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
   the backward, its recomputation and its tensor-parallel collectives run on the trained tokens'
