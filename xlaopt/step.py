@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 from xlaopt import loss_scale
 from xlaopt.compiler import trace_cache
 from xlaopt.families import family_of
-from xlaopt.mesh import DATA, MESH_AXES
+from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
@@ -186,7 +186,7 @@ def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
     # data=2,fsdp=2,tensor=2 or data=2,tensor=2,context=2, hierarchical-grads on data=4,fsdp=2,
     # tensor=2; data=4,tensor=2 and data=2,fsdp=2,context=2 compile (tests/test_stack.py). A
     # pipeline's stages are its own shard_map's and not checked here.
-    beside = [a for a in MESH_AXES if a not in (DATA, "tensor", "stage") and program.mesh.size(a) > 1]
+    beside = [a for a in MESH_AXES if a not in (DATA, "tensor", STAGE) and program.mesh.size(a) > 1]
     if program.mesh.size("tensor") > 1 and beside:
         return (f"tensor parallel beside {', '.join(beside)}: XLA aborts the process compiling a step manual "
                 f"over data on this layout (jax {jax.__version__})")
