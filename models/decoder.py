@@ -7,6 +7,7 @@ Batch contract: tokens_BT, segment_ids_BT (0 = padding), positions_BT.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import flax.linen as nn
@@ -23,8 +24,12 @@ from xlaopt.models.layers import (
     embedding_lookup,
     gathered,
     head_logits,
-    next_token_loss,
+    manual_axes,
+    next_tokens,
     param,
+    rms_norm,
+    token_mean,
+    token_nll,
 )
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
@@ -103,28 +108,64 @@ class Decoder(nn.Module):
     attention: AttentionSpec = AttentionSpec()
 
     @nn.compact
-    def __call__(self, batch: dict) -> jax.Array:
-        """Next-token logits [B, T, E] in fp32."""
+    def __call__(self, batch: dict, loss: bool = False) -> jax.Array:
+        """Next-token logits [B, T, E] in fp32, or with `loss` the mean next-token loss. Where the
+        stack runs the loss inside it (a 1F1B pipeline), the final norm, head and loss are its
+        tail, run on each micro-batch on the last stage."""
+        x_BTD, tokens_T, rope, embed_ED = self._embedded(batch)
+        stack = LayerStack(DecoderLayer, dict(block=block_fields(self.config, self.dtype), attention=self.attention),
+                           self.config.num_layers, self.stack, name="layers")
+        final_norm = RMSNorm(self.config.d_model, "embed", self.config.norm_eps, name="final_norm")
+        if loss:
+            targets_BT, has_next_BT = next_tokens(batch["tokens_BT"], batch["segment_ids_BT"])
+        if loss and self.stack.loss_inside and not self.is_initializing():
+            count = jnp.sum(has_next_BT)
+            if manual_axes():  # token_mean's share of the mean: over every device's tokens
+                count = jax.lax.psum(count, manual_axes())
+            tail_params = {"norm": nn.meta.unbox(self.variables["params"]["final_norm"]["scale"]),
+                           "head_DE": self._head_DE(embed_ED)}
+            tail = functools.partial(_nll_sum, self.config.norm_eps, self.dtype)
+            return stack.loss(x_BTD, (tokens_T, rope), tail, tail_params, (targets_BT, has_next_BT),
+                              1.0 / jnp.maximum(count, 1))
+        logits_BTE = _logits(gathered(final_norm(stack(x_BTD, tokens_T, rope))), self._head_DE(embed_ED), self.dtype)
+        return token_mean(token_nll(logits_BTE, targets_BT), has_next_BT) if loss else logits_BTE
+
+    def _embedded(self, batch: dict):
+        """(x_BTD, tokens_T, rope, embed_ED): the stack's input and arguments, and the embedding."""
         c, dt = self.config, self.dtype
-        D, E = c.d_model, c.vocab_size
         seg_BT = batch["segment_ids_BT"]
-        embed_ED = param(self, "embed_ED", (E, D), ("vocab", "embed"), nn.initializers.normal(1.0))
-        x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt),
-                          RESIDUAL_BLD)
-        tokens_T = document_tokens(seg_BT)
+        embed_ED = param(self, "embed_ED", (c.vocab_size, c.d_model), ("vocab", "embed"), nn.initializers.normal(1.0))
+        x_BTD = constrain(embedding_lookup(embed_ED, batch["tokens_BT"], "vocab").astype(dt), RESIDUAL_BLD)
         rope = rope_tables(c, jnp.broadcast_to(batch["positions_BT"], (3,) + seg_BT.shape))
-        layer = dict(block=block_fields(c, dt), attention=self.attention)
-        x_BTD = LayerStack(DecoderLayer, layer, c.num_layers, self.stack, name="layers")(x_BTD, tokens_T, rope)
-        h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="final_norm")(x_BTD))
-        head_DE = embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
-        logits_BTE = head_logits(h_BTD, head_DE.astype(dt))
-        return constrain(logits_BTE, ("batch", "seq", "act_vocab"))
+        return x_BTD, document_tokens(seg_BT), rope, embed_ED
+
+    def _head_DE(self, embed_ED: jax.Array) -> jax.Array:
+        c = self.config
+        return embed_ED.T if c.tie_embeddings else param(self, "lm_head_DE", (c.d_model, c.vocab_size),
+                                                         ("embed", "vocab"))
+
+
+def _logits(h_BTD, head_DE, dtype) -> jax.Array:
+    return constrain(head_logits(h_BTD, head_DE.astype(dtype)), ("batch", "seq", "act_vocab"))
+
+
+def _nll_sum(eps: float, dtype, tail_params: dict, x_BTD, targets: tuple, scale) -> jax.Array:
+    """A 1F1B stack's tail: the final norm, head and next-token cross-entropy of its rows, summed
+    and scaled by `scale` (one over the batch's token count)."""
+    targets_BT, has_next_BT = targets
+    logits_BTE = _logits(gathered(rms_norm(x_BTD, tail_params["norm"], eps)), tail_params["head_DE"], dtype)
+    # The target's logit picked by a one-hot sum, not `token_nll`'s gather: inside the pipeline's
+    # shard_map, a gather from logits whose vocabulary tensor splits, beside rows FSDP splits,
+    # aborts XLA:CPU's compile on jax 0.10.2 (llama-tiny on stage=2,fsdp=2,tensor=2; a test
+    # runs that layout). The sum is vocabulary-parallel cross-entropy as Megatron computes it.
+    onehot_BTE = jax.nn.one_hot(targets_BT, logits_BTE.shape[-1], dtype=logits_BTE.dtype)
+    nll_BT = jax.nn.logsumexp(logits_BTE, axis=-1) - jnp.sum(logits_BTE * onehot_BTE, axis=-1)
+    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) * scale
 
 
 def loss_fn(model: Decoder, params, batch: dict, key) -> tuple[jax.Array, dict]:
     del key  # no sampling in a language-model step
-    logits_BTE = model.apply({"params": params}, batch)
-    loss = next_token_loss(logits_BTE, batch["tokens_BT"], batch["segment_ids_BT"])
+    loss = model.apply({"params": params}, batch, loss=True)
     return loss, {"loss_text": loss}
 
 

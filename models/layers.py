@@ -203,10 +203,20 @@ head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 def next_token_loss(logits_BTE: jax.Array, tokens_BT: jax.Array, seg_BT: jax.Array) -> jax.Array:
     """Mean cross-entropy of each token's successor, where the successor belongs to the same
     (real, non-padding) sample."""
+    targets_BT, has_next_BT = next_tokens(tokens_BT, seg_BT)
+    return token_mean(token_nll(logits_BTE, targets_BT), has_next_BT)
+
+
+def next_tokens(tokens_BT: jax.Array, seg_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(targets, has_next): each token's successor, and where it belongs to the same (real,
+    non-padding) sample."""
     has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
-    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))
-    nll_BT = -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
-    return token_mean(nll_BT, has_next_BT)
+    return jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1))), has_next_BT
+
+
+def token_nll(logits_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Each token's cross-entropy against its target."""
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:

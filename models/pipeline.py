@@ -44,13 +44,15 @@ from xlaopt.mesh import DATA, STAGE
 from xlaopt.models.attention import attention_sequence_axis
 from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
 
-SCHEDULES = ("gpipe",)
-# Schedules of the published runs this SPMD loop cannot run yet: 1F1B needs a hand-written
-# backward interleaved with the forward (JAX's transpose of the tick loop runs every forward tick
-# first), interleaved 1F1B that and each stage's layers stored in strided chunks.
-NOT_BUILT = {"1f1b": "one forward, one backward",
-             "interleaved": "1F1B over virtual stages; GPipe's order over them is pipeline_virtual_stages",
+SCHEDULES = ("gpipe", "1f1b")  # 1f1b: `xlaopt.models.pipeline_1f1b`
+# Schedules of the published runs this SPMD loop cannot run yet.
+NOT_BUILT = {"interleaved": "1F1B over virtual stages; GPipe's order over them is pipeline_virtual_stages",
              "zero-bubble": "split backward passes"}
+
+
+# The name scope of each of 1F1B's conditional branches (`xlaopt.models.pipeline_1f1b`), by which
+# the simulator picks, tick by tick, the branch some stage takes (`PipelineSchedule.taken_at`).
+BRANCH_SCOPE = "pipeline_{}"
 
 
 def check_schedule(name: str) -> None:
@@ -67,7 +69,9 @@ def check_schedule(name: str) -> None:
 class PipelineSchedule:
     """Which micro-batch each stage runs at each tick, and what that costs. GPipe: micro-batch
     m runs on stage p at forward tick m + p; the backward ticks mirror the forward ones. With
-    V virtual stages, round v of micro-batch m runs on stage p at tick v * M + m + p."""
+    V virtual stages, round v of micro-batch m runs on stage p at tick v * M + m + p. 1F1B: a
+    tick runs a forward and a backward, micro-batch m's forward on stage p at tick m + p and its
+    backward at tick m + 2P - 2 - p."""
     stages: int
     microbatches: int
     name: str = "gpipe"
@@ -80,10 +84,16 @@ class PipelineSchedule:
                              f"multiple of the stages (each stage receives an equal share of the output)")
         if self.virtual_stages < 1:
             raise ValueError(f"{self.virtual_stages} virtual stages: at least 1")
+        if self.name == "1f1b" and self.virtual_stages > 1:
+            raise ValueError(f"1f1b over {self.virtual_stages} virtual stages is interleaved 1F1B, not built yet; "
+                             f"use virtual stages 1, or gpipe with virtual stages")
 
     @property
     def ticks(self) -> int:
-        """Forward ticks (the backward has as many), each 1 / V of a stage's layers."""
+        """GPipe: forward ticks (the backward has as many), each 1 / V of a stage's layers.
+        1F1B: ticks of a forward and a backward each."""
+        if self.name == "1f1b":
+            return self.microbatches + 2 * self.stages - 2
         return self.virtual_stages * self.microbatches + self.stages - 1
 
     def work_at(self, stage: int, tick: int) -> tuple[int, int] | None:
@@ -96,16 +106,36 @@ class PipelineSchedule:
         work = self.work_at(stage, tick)
         return None if work is None else work[0]
 
+    def taken_at(self, tick: int) -> dict[str, bool]:
+        """1F1B: whether any stage runs a forward, the tail (the loss, on the last stage) and a
+        backward at `tick`. In lockstep a tick lasts as long as its busiest stage: the first
+        P - 1 ticks run forwards alone, the last P - 1 backwards alone."""
+        P, M = self.stages, self.microbatches
+        return {"forward": tick < M + P - 1, "tail": P - 1 <= tick < M + P - 1, "backward": tick >= P - 1}
+
+    def branches_taken(self) -> dict[str, Callable[[int], bool]]:
+        """For the simulator (`build_schedule`'s `branch_taken`): the name scope of each of
+        1F1B's branches, and whether some stage takes it at a tick. GPipe has no branches."""
+        if self.name != "1f1b":
+            return {}
+        return {BRANCH_SCOPE.format(part): (lambda tick, part=part: self.taken_at(tick)[part])
+                for part in ("forward", "tail", "backward")}
+
     @property
     def bubble_fraction(self) -> float:
-        """The share of each device's ticks that runs no micro-batch: (P - 1) / (V M + P - 1)."""
-        return (self.stages - 1) / self.ticks
+        """The share of each device's time that runs no micro-batch: (P - 1) / (V M + P - 1).
+        1F1B's is GPipe's: its first P - 1 ticks run forwards alone and its last P - 1
+        backwards alone, so (M + P - 1) (F + B) in all."""
+        return (self.stages - 1) / (self.virtual_stages * self.microbatches + self.stages - 1)
 
     @property
     def saved_ticks(self) -> int:
-        """Ticks whose activations a stage holds at the turn from forward to backward: every
-        forward tick, the bubble's included (GPipe holds all M micro-batches; this SPMD loop
-        also saves what its bubble ticks computed)."""
+        """Ticks whose activations a stage holds at most: GPipe, every forward tick at the turn
+        from forward to backward, the bubble's included (it holds all M micro-batches; this SPMD
+        loop also saves what its bubble ticks computed). 1F1B: stage 0 keeps a micro-batch from
+        its forward to its backward 2P - 2 ticks later, so at most 2P - 1 at once."""
+        if self.name == "1f1b":
+            return min(self.microbatches, 2 * self.stages - 1)
         return self.ticks
 
     def check_layers(self, layers: int) -> None:

@@ -30,6 +30,7 @@ import jax
 
 from xlaopt.models.layers import constrain
 from xlaopt.models.pipeline import pipeline_layers
+from xlaopt.models.pipeline_1f1b import Tail, pipeline_loss_1f1b
 from xlaopt.models.remat import REMAT_POLICIES
 from xlaopt.models.tracing import installed
 
@@ -78,6 +79,7 @@ class StackSpec:
     # the ticks, instead of gathered layer by layer at every tick; they then stay resident.
     weights_once: bool = False
     virtual_stages: int = 1  # pipeline: rounds of the ring, each stage's layers cut into this many chunks
+    schedule: str = "gpipe"  # pipeline: `xlaopt.models.pipeline.SCHEDULES`
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -92,6 +94,12 @@ class StackSpec:
         # Under scan the loop boundary already stops XLA from merging the recomputation into
         # the forward pass; unrolled layers need the CSE barrier.
         return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=self.strategy != "scan")
+
+    @property
+    def loss_inside(self) -> bool:
+        """The loss runs inside the stack (`LayerStack.loss`): a 1F1B pipeline starts each
+        micro-batch's backward on the last stage right after its forward."""
+        return self.strategy == "pipeline" and self.schedule == "1f1b"
 
 
 class LayerStack(nn.Module):
@@ -118,6 +126,26 @@ class LayerStack(nn.Module):
                 self.param(name, lambda _, tree=subtree: tree)
         params_L = nn.meta.unbox(dict(self.variables["params"]))
 
+        run = STRATEGIES[self.spec.strategy]
+        if self.spec.strategy == "pipeline" and self.spec.weights_once:
+            run = functools.partial(run, gather=self._whole_along_embed(layer, carry, args))
+        return run(self._layer_fn(layer), params_L, carry, args, self.spec)
+
+    def loss(self, carry, args: tuple, tail: Tail, tail_params, tail_args, extra):
+        """`tail(tail_params, y, tail_args, extra)` of the stack's output `y`, computed inside the
+        stack where the spec says so (`StackSpec.loss_inside`: 1F1B), else after it. `tail_args`
+        lead with the rows, as `carry` does; they and `extra` are data, with no gradient."""
+        if not self.spec.loss_inside or self.is_initializing():
+            return tail(tail_params, self(carry, *args), tail_args, extra)
+        layer = self._layer()
+        gather = self._whole_along_embed(layer, carry, args) if self.spec.weights_once else None
+        return pipeline_loss_1f1b(self._layer_fn(layer), nn.meta.unbox(dict(self.variables["params"])), carry, args,
+                                  tail, tail_params, tail_args, extra, self.spec.microbatches, inner=scan_layers,
+                                  gather=gather)
+
+    def _layer_fn(self, layer: nn.Module) -> LayerFn:
+        """The pure `(params_i, carry, *args) -> carry` of one layer, hooked and rematerialized
+        as installed and specified."""
         hook, path = _PARAMS_HOOK.get(), tuple(self.scope.path)
 
         def layer_fn(params_i, c, *a):
@@ -125,10 +153,7 @@ class LayerStack(nn.Module):
                 params_i = hook(params_i, path)
             return layer.apply({"params": params_i}, c, *a)
 
-        run = STRATEGIES[self.spec.strategy]
-        if self.spec.strategy == "pipeline" and self.spec.weights_once:
-            run = functools.partial(run, gather=self._whole_along_embed(layer, carry, args))
-        return run(self.spec.wrap(layer_fn), params_L, carry, args, self.spec)
+        return self.spec.wrap(layer_fn)
 
     @staticmethod
     def _whole_along_embed(layer: nn.Module, carry, args) -> Callable:

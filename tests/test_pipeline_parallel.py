@@ -133,8 +133,15 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
     # device's chunks of both towers' sequences.
     "cosmos3-data-context-ulysses": (COSMOS3_TINY, "stage=2,data=2,context=2", None, PIPELINE, None,
                                      {"ulysses-attention"}),
-    "llama-four-stages-eight-microbatches": (get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
-                                             dataclasses.replace(PIPELINE, pipeline_microbatches=8), None, set()),
+    # 1F1B (the loss inside the loop, tick by tick): four stages, data manual, 8 micro-batches
+    # (2P - 1 = 7 kept); and FSDP and tensor inside two stages, each stage's weights gathered once.
+    "llama-1f1b-four-stages-eight-microbatches": (
+        get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=8, pipeline_schedule="1f1b"), None, set()),
+    "llama-1f1b-fsdp-tensor-weights-once": (
+        get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),
+        None, set()),
     # Two rounds of the ring (virtual stages): 4 layers in chunks of one, 4 micro-batches each
     # kept on stage 0 between rounds (M > P), each stage's weights gathered once and reordered;
     # and M = P, where a round's result is used at once.

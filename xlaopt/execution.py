@@ -101,7 +101,7 @@ class ExecutionConfig:
     @property
     def stack(self) -> StackSpec:
         return StackSpec(self.layer_stack, self.remat, self.pipeline_microbatches, self.pipeline_weights_once,
-                         self.pipeline_virtual_stages)
+                         self.pipeline_virtual_stages, self.pipeline_schedule)
 
     @property
     def attention_spec(self) -> AttentionSpec:

@@ -35,6 +35,9 @@ class Family:
     # each, resident while serving (none for a CNN, whose parameters only fsdp can split).
     towers: int = 1
     decodes_text: bool = False  # a causal text tower with a vocabulary head: a KV-cached token step
+    # The loss can run inside the layer stack, as the stack's tail (`LayerStack.loss`), which a
+    # 1F1B pipeline needs.
+    loss_in_stack: bool = False
     # A generator tower denoising video latents after the text: rows have a text and a generator
     # part, and the model serves a denoising step.
     generates_video: bool = False
@@ -109,7 +112,7 @@ FAMILIES = {
                       trainable_sets=(("generator", cosmos3.GENERATOR_SET),)),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0),
-                      decodes_text=True),
+                      decodes_text=True, loss_in_stack=True),
     "vit": Family("vit", _module(vit.ViT), vit_batch_spec, vit.loss_fn, vit.batch_train_flops,
                   functools.partial(SyntheticImages, batch_spec=vit_batch_spec),
                   ("segment_ids_BT",), vit.attention_calls, lambda c: BatchShape(8, c.tokens, 0)),

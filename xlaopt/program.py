@@ -184,11 +184,15 @@ class TrainProgram:
             raise UserError(f"execution setting pipeline_microbatches={microbatches} is not a multiple of the "
                             f"{stages} pipeline stages; use {stages}, {2 * stages}, ... (or 0: one per stage)")
         try:
-            PipelineSchedule(max(stages, 1), microbatches, virtual_stages=execution.pipeline_virtual_stages) \
-                .check_layers(layers)
+            PipelineSchedule(stages, microbatches, execution.pipeline_schedule,
+                             execution.pipeline_virtual_stages).check_layers(layers)
         except ValueError as e:
             raise UserError(f"execution setting pipeline_virtual_stages={execution.pipeline_virtual_stages}: {e}") \
                 from None
+        family = family_of(self.model)
+        if execution.pipeline_schedule == "1f1b" and not family.loss_in_stack:
+            raise UserError(f"pipeline_schedule=1f1b runs the loss inside the layer stack, which the {family.name} "
+                            f"family does not do yet (the decoder family does); use pipeline_schedule=gpipe")
         row_axes = next((axes for logical, axes in self.rules if logical == "batch"), ())
         shards = math.prod(self.mesh.size(a) for a in row_axes if a != STAGE)
         rows = self.settings.batch.batch_size // execution.micro_batches

@@ -90,7 +90,8 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
 
         pathlib.Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
-    schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops)
+    schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops,
+                              branch_taken=_branches_taken(program))
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     placed = topology.placed(program.mesh.placement())  # the replica groups' devices where the mesh order puts them
@@ -160,6 +161,12 @@ def _attention_json(program: TrainProgram, target: str, work) -> dict:
             "fused_call_flops_mean_device": work.mean_custom_call_flops}
 
 
+def _branches_taken(program: TrainProgram) -> dict:
+    """What the simulator needs of a pipeline's conditional branches (1F1B's), tick by tick."""
+    schedule = program.pipeline_schedule
+    return schedule.branches_taken() if schedule is not None else {}
+
+
 def _pipeline_json(program: TrainProgram, loops: list[dict], loop_time_s: dict, step_s: float) -> dict | None:
     """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined.
     As priced: the tick loops (the step's outermost loops of `ticks` trips, forward and backward)
@@ -172,10 +179,12 @@ def _pipeline_json(program: TrainProgram, loops: list[dict], loop_time_s: dict, 
            "saved_ticks": s.saved_ticks}
     ticking = [loop["name"] for loop in loops if loop.get("ops") and loop["trip_count"] == s.ticks]
     if ticking:
+        # P - 1 of V M + P - 1 stage times, in GPipe's ticks or 1F1B's (a forward and a backward
+        # each, the first and last P - 1 of them running forwards or backwards alone).
         loops_s = sum(loop_time_s[name] for name in ticking)
-        tick_s = loops_s / s.ticks
-        out.update(tick_loops=ticking, tick_loops_s=loops_s, tick_s=tick_s, bubble_s=(s.stages - 1) * tick_s,
-                   bubble_fraction_of_step=(s.stages - 1) * tick_s / step_s if step_s else None)
+        bubble_s = loops_s * s.bubble_fraction
+        out.update(tick_loops=ticking, tick_loops_s=loops_s, tick_s=loops_s / s.ticks, bubble_s=bubble_s,
+                   bubble_fraction_of_step=bubble_s / step_s if step_s else None)
     return out
 
 
@@ -309,8 +318,8 @@ def format_analysis(result: dict) -> str:
         p = result["pipeline"]
         rounds = f" x {p['virtual_stages']} virtual stages" if p.get("virtual_stages", 1) > 1 else ""
         lines.append(f"pipeline: {p['schedule']}, {p['stages']} stages{rounds} x {p['microbatches']} micro-batches: "
-                     f"{p['ticks']} ticks, the bubble {p['bubble_fraction'] * 100:.1f}% of each device's ticks; "
-                     f"a stage holds {p['saved_ticks']} ticks' activations for the backward"
+                     f"{p['ticks']} ticks, the bubble {p['bubble_fraction'] * 100:.1f}% of each device's time; "
+                     f"a stage holds at most {p['saved_ticks']} ticks' activations for the backward"
                      + (f"; as priced a tick (forward and backward) {p['tick_s'] * 1e3:,.1f} ms, the bubble "
                         f"{p['bubble_s'] * 1e3:,.1f} ms ({p['bubble_fraction_of_step'] * 100:.1f}% of the step)"
                         if "tick_s" in p else ""))

@@ -5,7 +5,9 @@ instructions are printed in schedule order) and returns the entry computation's 
 order, with every while loop's body repeated by its known trip count (exactly expanded, not
 priced once and multiplied; a loop XLA cannot count, by the trip count the caller gives its name
 scope, else once), `call`s inlined, and a `conditional` replaced by its branch with the
-most matmul FLOPs (an upper bound; the branch taken is not known statically).
+most matmul FLOPs (an upper bound; the branch taken is not known statically), or, where the
+caller says which branch some device takes at each trip of the loop around it (1F1B's forward,
+tail and backward, `PipelineSchedule.taken_at`), by that.
 
 Each op carries:
 - kind: "compute", "collective" (synchronous: the compute stream waits for it),
@@ -37,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 from xlaopt.analysis import hlo
 from xlaopt.analysis.hlo import Instruction
@@ -178,13 +180,23 @@ def _given_flops(ins: Instruction, custom_call_flops: dict[str, dict[str, float]
                  if tag in scopes and target.group(1) in by_target), None)
 
 
+def _taken_by(attrs: str, branch_taken: dict[str, Callable[[int], bool]]) -> Callable[[int], bool] | None:
+    """The caller's rule for a conditional traced under one of `branch_taken`'s name scopes."""
+    m = _OP_NAME.search(attrs)
+    scopes = m.group(1).split("/") if m else ()
+    return next((rule for tag, rule in branch_taken.items() if tag in scopes), None)
+
+
 def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
-                   custom_call_flops: dict[str, dict[str, float]] | None = None) -> Schedule:
+                   custom_call_flops: dict[str, dict[str, float]] | None = None,
+                   branch_taken: dict[str, Callable[[int], bool]] | None = None) -> Schedule:
     """The entry computation's ops in execution order (see the module docstring).
     `loop_trips`: trip counts of loops XLA cannot know, by the name scope they were traced under
     (segment-aware attention's pair loops: as many trips as the priced batch's block pairs).
     `custom_call_flops`: {name scope: {custom call target: FLOPs of one run}} for custom calls
-    XLA counts no FLOPs for (cuDNN's fused attention, forward and backward)."""
+    XLA counts no FLOPs for (cuDNN's fused attention, forward and backward).
+    `branch_taken`: {name scope: trip -> whether the true branch runs} for a conditional inside a
+    loop, at each trip of that loop (the busiest device's branch)."""
     reader = HloReader(hlo_text)
     if reader.entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
@@ -202,13 +214,13 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
                                                              fused_attention=True)
         return templates[comp]
 
-    def expand(comp: str, depth: int = 0) -> Iterator[Op]:
+    def expand(comp: str, depth: int = 0, trip: int = 0) -> Iterator[Op]:
         if depth > 64:
             raise ValueError(f"computation nesting deeper than 64 at {comp}")
         for ins, op in zip(reader.comps.get(comp, []), template(comp)):
-            yield from expand_one(ins, op, comp, depth)
+            yield from expand_one(ins, op, comp, depth, trip)
 
-    def expand_one(ins: Instruction, op: Op, comp: str, depth: int) -> Iterator[Op]:
+    def expand_one(ins: Instruction, op: Op, comp: str, depth: int, trip: int = 0) -> Iterator[Op]:
         if ins.opcode == "while":
             body = reader.callee(ins, "body")
             trips = hlo.loop_trip_count(ins, comp, reader.comps)
@@ -225,17 +237,21 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
                 yield from (dataclasses.replace(o, flops=o.flops * runs, bytes=o.bytes * runs, repeat=o.repeat * runs)
                             for o in body_ops if runs)
                 return
-            for _ in range(runs):
-                yield from expand(body, depth + 1)
+            for i in range(runs):
+                yield from expand(body, depth + 1, i)
         elif ins.opcode == "call":
-            yield from expand(reader.callee(ins, "to_apply"), depth + 1)
+            yield from expand(reader.callee(ins, "to_apply"), depth + 1, trip)
         elif ins.opcode == "conditional":
             m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+            # (false, true): a boolean predicate's index is 0 or 1
             branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
-                [c for c in (reader.callee(ins, "true_computation"), reader.callee(ins, "false_computation")) if c]
-            if branches:
-                heaviest = max(branches, key=lambda b: sum(o.flops for o in template(b)))
-                yield from expand(heaviest, depth + 1)
+                [c for c in (reader.callee(ins, "false_computation"), reader.callee(ins, "true_computation")) if c]
+            rule = _taken_by(ins.attrs, branch_taken or {}) if len(branches) == 2 else None
+            if rule is not None:
+                yield from expand(branches[int(rule(trip))], depth + 1, trip)
+            elif branches:  # by the FLOPs of each branch's loops as well as its own ops
+                heaviest = max(branches, key=lambda b: sum(o.flops for o in expand(b, depth + 1, trip)))
+                yield from expand(heaviest, depth + 1, trip)
         else:
             yield op
 
