@@ -66,6 +66,20 @@ def test_the_analytic_price_follows_the_spmd_loop():
     per_send = spmd.pp_send_s / (2 * (M + P - 1))
     reorder = cm.send_time_s(4 * 16 * shape.layer_params / 8 / 2, h100.levels[-1], cm.FITTED.network)
     assert two.pp_send_s == pytest.approx(2 * (2 * M + P - 1) * per_send + 2 * reorder)
+    # 1F1B's loop: the head on the last stage, one micro-batch a tick, as Megatron's (so its
+    # bubble and compute are Megatron's), a send each way after each of M + 2P - 2 ticks.
+    one_f_one_b = price(pipeline="spmd-1f1b")
+    assert one_f_one_b.pipeline_bubble_s == pytest.approx(megatron.pipeline_bubble_s)
+    assert one_f_one_b.compute_s == pytest.approx(megatron.compute_s)
+    assert one_f_one_b.pp_send_s == pytest.approx(2 * (M + 2 * P - 2) * per_send)
+    # and it holds min(M, 2P - 1) micro-batches' saves against GPipe's M + P - 1 ticks'.
+    from xlaopt.planning.price import memory_parts
+    from xlaopt.planning.space import Candidate
+
+    eight_rows = BatchShape(64, 4096, 0)  # 8 micro-batches of one row on each of 8 FSDP ranks
+    saved = {name: memory_parts(Candidate(1, 8, 1, 1, remat="full", micro_batches=8, pp=P, schedule=name), shape,
+                                eight_rows, dense_attention=False)["saved"] for name in ("gpipe", "1f1b")}
+    assert saved["1f1b"] / saved["gpipe"] == pytest.approx(min(8, 2 * P - 1) / (8 + P - 1))
 
 
 def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():

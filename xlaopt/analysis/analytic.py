@@ -34,7 +34,10 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   (`xlaopt.models.pipeline`, `Software.pipeline="spmd"`) runs v m + pp - 1 ticks each way of
   1 / v of a stage's layers (the same bubble as interleaved 1F1B), with a send after every
   tick, and the embedding, head and loss outside the stages on each stage's share of the rows,
-  so they are off the pipeline's critical path and out of its bubble;
+  so they are off the pipeline's critical path and out of its bubble; its 1F1B loop
+  (`xlaopt.models.pipeline_1f1b`, `Software.pipeline="spmd-1f1b"`) runs m + 2 pp - 2 ticks with
+  a send each way after every one, and the head and loss on the last stage, one micro-batch a
+  tick, as Megatron's 1F1B does (the bubble is then pp - 1 of the last stage's micro-batch times);
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
 - frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
   the backward, its recomputation and its tensor-parallel collectives run on the trained tokens'
@@ -114,12 +117,13 @@ class Software:
     grad_reduce_bytes: int = 2  # bytes per gradient element reduced
     fp8_linear: bool = False  # linear layers in fp8, the rest in bf16
     # How pipeline stages run (pp > 1): "megatron" (1F1B or interleaved, the embedding on the
-    # first stage and the head and loss on the last) or "spmd" (xlaopt's loop, module docstring).
+    # first stage and the head and loss on the last), "spmd" (xlaopt's GPipe loop) or
+    # "spmd-1f1b" (xlaopt's 1F1B loop; module docstring).
     pipeline: str = "megatron"
     pipeline_weights_once: bool = False  # spmd with FSDP: each stage's weights gathered once a step
     context_parallel: str = "ring"  # "ring" (K/V passed round the context ranks) or "ulysses" (all-to-all)
 
-    PIPELINES = ("megatron", "spmd")
+    PIPELINES = ("megatron", "spmd", "spmd-1f1b")
 
     # "selective-op": TorchTitan's per-op SAC; "selective-megatron": Megatron's selective
     # recomputation (Korthikanti et al. 2022), the core attention only; "dots": JAX's
@@ -336,7 +340,8 @@ def _pp_send_s(layer: _Layer, stage_weights: float, layout: Parallelism, topolog
         return 0.0
     m = layout.micro_batches
     spmd = software.pipeline == "spmd"
-    sends = layout.virtual_stages * m + layout.pp - 1 if spmd else m
+    ticks = {"spmd": layout.virtual_stages * m + layout.pp - 1, "spmd-1f1b": m + 2 * layout.pp - 2}
+    sends = ticks.get(software.pipeline, m)
     pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
     level, link_eff = _level(topology, pp_span, eff)
     send_bytes = layer.act_bytes / (layout.tp if software.sequence_parallel else 1)
@@ -407,7 +412,8 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
     fsdp_exp_layer, fsdp_first = _fsdp_exposed(layer, shape, layout, topology, software, eff)
 
     # Stages, micro-batches, the pipeline.
-    spmd = layout.pp > 1 and software.pipeline == "spmd"
+    spmd = layout.pp > 1 and software.pipeline in ("spmd", "spmd-1f1b")
+    head_outside = layout.pp > 1 and software.pipeline == "spmd"  # GPipe's loop: on every stage's rows, after it
     layers_per_stage = shape.layers / layout.pp
     m = layout.micro_batches
     head_s = _head_s(layer, shape, layout, topology, eff)
@@ -415,8 +421,9 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
     if spmd and software.pipeline_weights_once and layout.fsdp > 1:
         fsdp_once = _fsdp_once_s(shape, layers_per_stage, layout, topology, software, eff)
         fsdp_exp_layer, fsdp_first = 0.0, 0.0
-    # The SPMD loop runs the head on its share of the rows after the stages (1/pp of m micro-batches').
-    stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + (0.0 if spmd else head_s)
+    # The SPMD GPipe loop runs the head on its share of the rows after the stages (1/pp of m
+    # micro-batches'); 1F1B, like Megatron, on the last stage, each micro-batch in its tick.
+    stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + (0.0 if head_outside else head_s)
     stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
     stage_mb_s = stage_compute_s + stage_exposed_s
     bubble_s = (layout.pp - 1) / layout.virtual_stages * stage_mb_s if layout.pp > 1 else 0.0
@@ -429,7 +436,7 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
     params_per_gpu = stage_params / layout.tp
 
     return StepBreakdown(
-        compute_s=m * stage_compute_s + (m * head_s / layout.pp if spmd else 0.0),
+        compute_s=m * stage_compute_s + (m * head_s / layout.pp if head_outside else 0.0),
         pipeline_bubble_s=bubble_s,
         tp_exposed_s=m * layers_per_stage * tp_exp,
         cp_exposed_s=m * layers_per_stage * cp_exp,

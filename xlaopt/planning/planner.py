@@ -95,7 +95,7 @@ def candidate_program(base: TrainProgram, c: Candidate) -> TrainProgram:
     if c.pp > 1:  # the micro-batches are the pipeline's, run in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=c.micro_batches, pipeline_weights_once=c.weights_once,
-                                        pipeline_virtual_stages=c.virtual_stages)
+                                        pipeline_virtual_stages=c.virtual_stages, pipeline_schedule=c.schedule)
     rules = with_sequence_parallel(base.rules) if c.sequence_parallel else base.rules
     return base.replace(mesh=c.mesh, rules=rules, execution=execution, shardings=None)
 

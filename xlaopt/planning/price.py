@@ -67,7 +67,8 @@ def software(candidate: Candidate, target: str, heads: int, kv_heads: int) -> an
                              sequence_parallel=candidate.sequence_parallel,
                              tp_overlap=False, dp_overlap=target == "gpu", sharded_optimizer=candidate.sharded_optimizer,
                              param_gather_bytes=1 if fp8 else 4, grad_reduce_bytes=4, fp8_linear=fp8,
-                             pipeline="spmd", pipeline_weights_once=candidate.weights_once,
+                             pipeline="spmd-1f1b" if candidate.schedule == "1f1b" else "spmd",
+                             pipeline_weights_once=candidate.weights_once,
                              context_parallel="ulysses" if ulysses else "ring")
 
 
@@ -137,11 +138,14 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     rows = batch.batch_size // (c.data * c.micro_batches)
     row_len = batch.text_len + batch.gen_len
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
-    # The pipeline keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`, each
+    # GPipe's loop keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`, each
     # tick 1 / V of the stage's layers), and the head runs after it on the stage's share of all
-    # micro-batches' rows.
-    held = c.micro_batches + (c.pp - 1) / c.virtual_stages if c.pp > 1 else 1
-    head_tokens = tokens * c.micro_batches / c.pp if c.pp > 1 else tokens
+    # micro-batches' rows; 1F1B's keeps min(M, 2P - 1) micro-batches' and runs the head on one
+    # micro-batch a tick.
+    gpipe = c.pp > 1 and c.schedule != "1f1b"
+    held = (c.micro_batches + (c.pp - 1) / c.virtual_stages if gpipe else
+            min(c.micro_batches, 2 * c.pp - 1) if c.pp > 1 else 1)
+    head_tokens = tokens * c.micro_batches / c.pp if gpipe else tokens
     formula = saved_per_token_layer(shape, c.tp, compute, c.sequence_parallel)
     saved = formula
     if traced is not None:

@@ -67,6 +67,7 @@ class Candidate:
     pp: int = 1  # pipeline stages; with pp > 1, micro_batches are the pipeline's (`xlaopt.models.pipeline`)
     weights_once: bool = False  # pp > 1 with FSDP: each stage's weights gathered once a step, not per tick
     virtual_stages: int = 1  # pp > 1: rounds of the ring, a stage's layers in this many chunks
+    schedule: str = "gpipe"  # pp > 1: `xlaopt.models.pipeline.SCHEDULES` (1f1b: virtual stages 1)
     sharded_optimizer: bool = False  # dp > 1: ZeRO-1, the moments split over the replicas too
 
     @property
@@ -95,7 +96,8 @@ class Candidate:
 
     def __str__(self) -> str:
         dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "fp8": "fp8"}[self.precision]
-        stages = (f" pp={self.pp}{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''}"
+        stages = (f" pp={self.pp}{' 1f1b' if self.schedule == '1f1b' else ''}"
+                  f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''}"
                   f"{' weights-once' if self.weights_once else ''}" if self.pp > 1 else "")
         return (f"dp={self.dp}{' zero1' if self.sharded_optimizer else ''} fsdp={self.fsdp} tp={self.tp}"
                 f"{' sp' if self.sequence_parallel else ''} cp={self.cp}{stages} remat={self.remat} "
@@ -143,13 +145,13 @@ def enumerate_space(config, batch: BatchShape, num_devices: int, devices_per_nod
                 for remat in remats:
                     for mb in micro:
                         for precision in precisions:
-                            for once, zero1, v in itertools.product((False, True) if pp > 1 and fsdp > 1 else (False,),
-                                                                    (False, True) if base.dp > 1 else (False,),
-                                                                    _virtual_stages(config, pp, stacked)):
+                            for once, zero1, (schedule, v) in itertools.product(
+                                    (False, True) if pp > 1 and fsdp > 1 else (False,),
+                                    (False, True) if base.dp > 1 else (False,), _schedules(config, pp, stacked)):
                                 dtype, matmuls = _PRECISION[precision]
                                 c = dataclasses.replace(base, remat=remat, micro_batches=mb, compute_dtype=dtype,
                                                         matmuls=matmuls, sequence_parallel=sp, weights_once=once,
-                                                        sharded_optimizer=zero1, virtual_stages=v)
+                                                        sharded_optimizer=zero1, virtual_stages=v, schedule=schedule)
                                 why = (split or _remat_reason(stacked, remat) or _fp8_reason(stacked, matmuls)
                                        or _pipeline_target_reason(c, target))
                                 (rejected.append(Rejected(c, why)) if why else ok.append(c))
@@ -177,6 +179,16 @@ def _virtual_stages(config, pp: int, stacked: bool) -> tuple[int, ...]:
     if pp == 1 or not stacked or config.num_layers % pp:
         return (1,)
     return tuple(v for v in range(1, MAX_VIRTUAL_STAGES + 1) if (config.num_layers // pp) % v == 0)
+
+
+def _schedules(config, pp: int, stacked: bool) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) tried on `pp` stages: GPipe over each virtual stage count, and
+    1F1B (no virtual stages: interleaved 1F1B is not built) where the family's loss can run
+    inside the layer stack."""
+    from xlaopt.families import family_of
+
+    tried = [("gpipe", v) for v in _virtual_stages(config, pp, stacked)]
+    return tried + [("1f1b", 1)] if pp > 1 and stacked and family_of(config).loss_in_stack else tried
 
 
 def _pipeline_reason(c: Candidate, config, batch: BatchShape, stacked: bool) -> str:
