@@ -15,6 +15,8 @@ bubble    llama3-8b on two stages of one 8-GPU node each (h100:2x8, stage=2 x te
           stage-to-stage send's window (the compute XLA places between its start and its done).
           Then M = 4 and 8 with V = 2 virtual stages (each stage's 16 layers in two chunks, a
           micro-batch twice round the ring): the theoretical bubble (P - 1) / V of the reference.
+          Then M = 4 and 8 with the 1F1B schedule (forward and backward in one loop, the head and
+          loss on the last stage in its ticks): the theoretical bubble GPipe's; its memory beside.
 planner   `plan` of llama3-405b on 512 H100 (64 x 8), 256 sequences of 8,192, analytic: the best
           layout for each stage count tried, with the reasons.
 nano_cp   cosmos3-nano on 16 x 8 H100, 720p rows: the planner's best layout with context
@@ -28,6 +30,7 @@ Needs the `gpu-aot` extra (jax-cuda12-plugin). About 15-60 s a compile on 2 core
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -66,24 +69,32 @@ def bubble() -> dict:
 
     P, rows = 2, []
     reference = _stage_reference_s()
-    for M, V in ((2, 1), (4, 1), (8, 1), (4, 2), (8, 2)):
+    only = set(filter(None, os.environ.get("BUBBLE_ROWS", "").split(";")))  # e.g. "4,1,1f1b;8,1,1f1b"
+    for M, V, schedule in ((2, 1, "gpipe"), (4, 1, "gpipe"), (8, 1, "gpipe"), (4, 2, "gpipe"), (8, 2, "gpipe"),
+                           (4, 1, "1f1b"), (8, 1, "1f1b")):
+        if only and f"{M},{V},{schedule}" not in only:
+            continue
         with tempfile.TemporaryDirectory() as dump:
             execution = {"layer_stack": "pipeline", "remat": "full", "attention": "cudnn", "pipeline_microbatches": M,
-                         "pipeline_virtual_stages": V}
+                         "pipeline_virtual_stages": V, "pipeline_schedule": schedule}
             _, r = _analyze(BUBBLE_MODEL, BUBBLE_MESH, BUBBLE_TOPOLOGY, (ROWS_PER_MICRO_BATCH * M, SEQ, 0),
                             execution, sequence_parallel=True, dump=dump)
             with open(f"{dump}/analyzed-gpu.compiled.hlo") as f:
                 windows = compute_inside_async(f.read(), "collective-permute")
         p = r["pipeline"]
-        rows.append({"microbatches": M, "virtual_stages": V, "ticks": p["ticks"], "step_time_s": r["step_time_s"],
+        rows.append({"schedule": schedule, "microbatches": M, "virtual_stages": V, "ticks": p["ticks"],
+                     "step_time_s": r["step_time_s"],
                      "tick_s": p["tick_s"], "bubble_priced_s": p["bubble_s"], "bubble_theory_s": (P - 1) * reference / V,
                      "bubble_error": p["bubble_s"] / ((P - 1) * reference / V) - 1,
                      "bubble_fraction_of_step": p["bubble_fraction_of_step"],
                      "exposed_comm_s": r["exposed_comm_s"], "stage_exposed_s": r["exposed_comm_by_axis_s"].get("stage", 0.0),
                      "send_windows": windows, "memory_gib": r["memory_per_device_bytes"]["peak_estimate"] / 2**30})
-    (m2, s2), (m4, s4) = ((r["microbatches"], r["step_time_s"]) for r in rows[:2])
+    fitted = [r for r in rows if r["schedule"] == "gpipe" and r["virtual_stages"] == 1]
+    if len(fitted) < 3:
+        fitted = []
+    (m2, s2), (m4, s4) = ((r["microbatches"], r["step_time_s"]) for r in fitted[:2]) if fitted else ((2, 0), (4, 0))
     slope = (s4 - s2) / (m4 - m2)
-    for r in rows[:3]:
+    for r in fitted:
         r["fitted_step_s"] = s2 + (r["microbatches"] - m2) * slope
         r["step_error"] = r["step_time_s"] / r["fitted_step_s"] - 1
     return {"model": BUBBLE_MODEL, "topology": BUBBLE_TOPOLOGY, "mesh": BUBBLE_MESH + " (sequence parallel)",
@@ -212,11 +223,11 @@ def main() -> int:
         out["bubble"] = b = bubble()
         print(f"{b['model']} on {b['topology']}, {b['mesh']}, {b['rows_per_micro_batch']} rows of {b['seq']:,} a "
               f"micro-batch; one micro-batch through a stage unpipelined: {b['stage_reference_s'] * 1e3:.1f} ms")
-        print(f"{'M':>3}{'V':>3}{'ticks':>7}{'step s':>9}{'bubble ms':>11}{'theory ms':>11}{'error':>8}{'of step':>9}"
+        print(f"{'schedule':>9}{'M':>3}{'V':>3}{'ticks':>7}{'step s':>9}{'bubble ms':>11}{'theory ms':>11}{'error':>8}{'of step':>9}"
               f"{'fit s':>8}{'error':>8}{'send windows':>15}{'GiB':>7}")
         for r in b["rows"]:
             fit = f"{r['fitted_step_s']:>8.3f}{r['step_error']:>+8.1%}" if "fitted_step_s" in r else f"{'':>16}"
-            print(f"{r['microbatches']:>3}{r['virtual_stages']:>3}{r['ticks']:>7}{r['step_time_s']:>9.3f}"
+            print(f"{r['schedule']:>9}{r['microbatches']:>3}{r['virtual_stages']:>3}{r['ticks']:>7}{r['step_time_s']:>9.3f}"
                   f"{r['bubble_priced_s'] * 1e3:>11.1f}{r['bubble_theory_s'] * 1e3:>11.1f}{r['bubble_error']:>+8.1%}"
                   f"{r['bubble_fraction_of_step']:>9.1%}{fit}{str(r['send_windows']):>15}{r['memory_gib']:>7.1f}")
     if "planner" in sections:
