@@ -125,8 +125,9 @@ class Decoder(nn.Module):
             tail_params = {"norm": nn.meta.unbox(self.variables["params"]["final_norm"]["scale"]),
                            "head_DE": self._head_DE(embed_ED)}
             tail = functools.partial(_nll_sum, self.config.norm_eps, self.dtype)
-            return stack.loss(x_BTD, (tokens_T, rope), tail, tail_params, (targets_BT, has_next_BT),
-                              1.0 / jnp.maximum(count, 1))
+            loss, _ = stack.loss(x_BTD, (tokens_T, rope), tail, tail_params, (targets_BT, has_next_BT),
+                                 1.0 / jnp.maximum(count, 1))
+            return loss
         logits_BTE = _logits(gathered(final_norm(stack(x_BTD, tokens_T, rope))), self._head_DE(embed_ED), self.dtype)
         return token_mean(token_nll(logits_BTE, targets_BT), has_next_BT) if loss else logits_BTE
 
@@ -151,7 +152,7 @@ def _logits(h_BTD, head_DE, dtype) -> jax.Array:
 
 def _nll_sum(eps: float, dtype, tail_params: dict, x_BTD, targets: tuple, scale) -> jax.Array:
     """A 1F1B stack's tail: the final norm, head and next-token cross-entropy of its rows, summed
-    and scaled by `scale` (one over the batch's token count)."""
+    and scaled by `scale` (one over the batch's token count); no metrics beside."""
     targets_BT, has_next_BT = targets
     logits_BTE = _logits(gathered(rms_norm(x_BTD, tail_params["norm"], eps)), tail_params["head_DE"], dtype)
     # The target's logit picked by a one-hot sum, not `token_nll`'s gather: inside the pipeline's
@@ -160,7 +161,7 @@ def _nll_sum(eps: float, dtype, tail_params: dict, x_BTD, targets: tuple, scale)
     # runs that layout). The sum is vocabulary-parallel cross-entropy as Megatron computes it.
     onehot_BTE = jax.nn.one_hot(targets_BT, logits_BTE.shape[-1], dtype=logits_BTE.dtype)
     nll_BT = jax.nn.logsumexp(logits_BTE, axis=-1) - jnp.sum(logits_BTE * onehot_BTE, axis=-1)
-    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) * scale
+    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) * scale, {}
 
 
 def loss_fn(model: Decoder, params, batch: dict, key) -> tuple[jax.Array, dict]:

@@ -36,7 +36,9 @@ from xlaopt.mesh import STAGE
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, stages_of_mesh
 
-Tail = Callable  # (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss
+# (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss, and of each
+# metric ({name: scalar}, reported, not differentiated)
+Tail = Callable
 
 
 def _inexact(x) -> bool:
@@ -49,11 +51,11 @@ def _no_cotangent(x):
 
 def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: Tail, tail_params, tail_args,
                        extra, microbatches: int, inner: Callable, gather: Callable | None = None):
-    """The loss of `tail` after the layers of `params_L` ([L, ...] leaves) over `carry`, summed
-    over micro-batches, with its gradients by the 1F1B schedule over the mesh's stages.
+    """(loss, metrics) of `tail` after the layers of `params_L` ([L, ...] leaves) over `carry`,
+    summed over micro-batches, with the loss's gradients by the 1F1B schedule over the stages.
 
-    `tail(tail_params, y, tail_args_m, extra)` is one micro-batch's share of the loss (the sum of
-    the shares is the loss). `args` and `tail_args` lead with the rows like `carry`; `tail_args`
+    `tail(tail_params, y, tail_args_m, extra)` is one micro-batch's share of the loss and of each
+    metric (the sum of the shares is the loss, or the metric). `args` and `tail_args` lead with the rows like `carry`; `tail_args`
     and `extra` are data (no gradient flows into them). `inner` and `gather` as in
     `pipeline_layers`. One stage: `inner` then `tail` on the whole batch, the same numbers."""
     stages = stages_of_mesh()
@@ -74,7 +76,8 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
         with manual_over(manual_axes() + manual), rows_split_over(row_axes):
             loss, grads = jax.shard_map(
                 run, in_specs=(PartitionSpec(STAGE), PartitionSpec(), inputs, inputs, inputs, PartitionSpec()),
-                out_specs=(PartitionSpec(), (PartitionSpec(STAGE), PartitionSpec(), out_rows, out_rows)),
+                out_specs=((PartitionSpec(), PartitionSpec()),
+                           (PartitionSpec(STAGE), PartitionSpec(), out_rows, out_rows)),
                 axis_names=set(manual), check_vma=False)(params_L, tail_params, carry, args, tail_args, extra)
         d_params, d_tail, d_carry, d_float_args = grads
         return loss, (d_params, d_tail, jax.tree.map(merge, d_carry), [merge(d) for d in d_float_args])
@@ -88,6 +91,7 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
         return loss, (grads, args, tail_args, extra)
 
     def backward(saved, g):
+        g, _ = g  # the metrics' cotangents: reported values, not differentiated
         (d_params, d_tail, d_carry, d_args), args, tail_args, extra = saved
         scale = lambda tree: jax.tree.map(lambda d: (g * d).astype(d.dtype), tree)  # noqa: E731
         d_float = iter(scale(d_args))
@@ -137,11 +141,11 @@ def _reduced(acc, summed: tuple[str, ...]):
     manual axes that split the rows, the loss and the tail's over those and the stages. Only
     stage 0 wrote the carry's gradient and every stage its share of the args': the sum over
     `stage` hands each its micro-batches' rows, as GPipe's loop hands its output."""
-    d_params, d_tail, d_carry, d_args, loss = acc
+    d_params, d_tail, d_carry, d_args, reported = acc
     scatter = lambda d: jax.lax.psum_scatter(d, STAGE, scatter_dimension=0, tiled=True)[None]  # noqa: E731
     if summed:
         d_params = jax.lax.psum(d_params, summed)
-    return (jax.lax.psum(loss, (STAGE, *summed)),
+    return (jax.lax.psum(reported, (STAGE, *summed)),
             (d_params, jax.lax.psum(d_tail, (STAGE, *summed)), jax.tree.map(scatter, d_carry),
              jax.tree.map(scatter, d_args)))
 
@@ -177,8 +181,10 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return y, [r for r, v in zip(jax.tree.leaves(vjp), per_mb) if v]
 
         def tail_grad(y, ta):
-            loss, (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1))(tail_params, y, ta, extra)
-            return loss.astype(jnp.float32), d_tail, dy
+            (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(
+                tail_params, y, ta, extra)
+            as_f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+            return (as_f32(loss), jax.tree.map(as_f32, metrics)), d_tail, dy
 
         def backward(d_params, kept, dy):
             dp, dx, da = vjp_of(kept)(dy)
@@ -187,7 +193,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
 
         def tick(state, t):
-            handed_y, handed_dy, ring, (d_params, d_tail, d_carry, d_args, loss) = state
+            handed_y, handed_dy, ring, (d_params, d_tail, d_carry, d_args, reported) = state
             f, b = t - stage, t - (2 * P - 2 - stage)
             f_ok, b_ok = (f >= 0) & (f < M), (b >= 0) & (b < M)
             fm, bm = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
@@ -208,11 +214,12 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             d_args = [o.at[bm].add(jnp.where(b_ok, n, 0)) for o, n in zip(d_args, da)]
             up = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, [(p, p + 1) for p in range(P - 1)]), y)
             down = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, [(p + 1, p) for p in range(P - 1)]), dx)
-            return (up, down, ring, (d_params, jax.tree.map(jnp.add, d_tail, dt), d_carry, d_args, loss + l)), None
+            acc = (d_params, jax.tree.map(jnp.add, d_tail, dt), d_carry, d_args, jax.tree.map(jnp.add, reported, l))
+            return (up, down, ring, acc), None
 
         ring = [jnp.zeros((slots, *a.shape), a.dtype) for a in kept_avals]
         acc = (zeros(params_k), zeros(tail_params), zeros(carry_M), zeros(parts(args_M)[0]),
-               jnp.zeros((), jnp.float32))
+               _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (zeros(x0), zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         return _reduced(acc, summed)
 

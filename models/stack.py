@@ -132,9 +132,10 @@ class LayerStack(nn.Module):
         return run(self._layer_fn(layer), params_L, carry, args, self.spec)
 
     def loss(self, carry, args: tuple, tail: Tail, tail_params, tail_args, extra):
-        """`tail(tail_params, y, tail_args, extra)` of the stack's output `y`, computed inside the
-        stack where the spec says so (`StackSpec.loss_inside`: 1F1B), else after it. `tail_args`
-        lead with the rows, as `carry` does; they and `extra` are data, with no gradient."""
+        """(loss, metrics) = `tail(tail_params, y, tail_args, extra)` of the stack's output `y`,
+        computed inside the stack where the spec says so (`StackSpec.loss_inside`: 1F1B), else
+        after it. `tail_args` lead with the rows, as `carry` does; they and `extra` are data,
+        with no gradient."""
         if not self.spec.loss_inside or self.is_initializing():
             return tail(tail_params, self(carry, *args), tail_args, extra)
         layer = self._layer()

@@ -64,15 +64,16 @@ def _layer(w_DD, x_BTD, s_BTD, ids_BT):
 
 def _tail(head_DC, y_BTD, targets_BT, scale):
     logits = y_BTD @ head_DC
-    return -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets_BT[..., None], -1)) * scale
+    nll = -jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits), targets_BT[..., None], -1)) * scale
+    return nll, {"logits": jnp.sum(logits) * scale}  # a metric: reported, not differentiated
 
 
 @needs_devices(8)
 @pytest.mark.parametrize("mesh,microbatches", [("stage=4,data=2", 8), ("stage=2,data=2,fsdp=2", 4)])
 def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_slots(mesh, microbatches):
     """A stack of 8 small layers (a float and an integer argument beside the carry) and a tail:
-    the 1F1B loop's loss and gradients (weights, tail, carry, float argument) equal the
-    unpipelined ones; its one tick loop of M + 2P - 2 trips keeps each residual in min(M, 2P - 1)
+    the 1F1B loop's loss, a metric the tail reports, and the gradients (weights, tail, carry,
+    float argument) equal the unpipelined ones; its one tick loop of M + 2P - 2 trips keeps each residual in min(M, 2P - 1)
     slots, never one per micro-batch or per tick."""
     sizes = dict((a, int(n)) for a, n in (kv.split("=") for kv in mesh.split(",")))
     rng = np.random.default_rng(0)
@@ -88,13 +89,15 @@ def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_
             return pipeline_loss_1f1b(_layer, w, x, (s, ids), _tail, head, targets, jnp.float32(1.0 / B),
                                       microbatches, inner=scan_layers)
 
-    want = jax.value_and_grad(unpipelined, argnums=(0, 1, 2, 3))(w, head, x, s)
+    want = jax.value_and_grad(unpipelined, argnums=(0, 1, 2, 3), has_aux=True)(w, head, x, s)
     mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
     with jax.set_mesh(mesh):
         w = jax.device_put(w, NamedSharding(mesh, PartitionSpec("stage")))
-        step = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2, 3)))
+        step = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2, 3), has_aux=True))
         got, text = step(w, head, x, s), step.lower(w, head, x, s).compile().as_text()
-    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
+    (loss, metrics), (want_loss, want_metrics) = got[0], want[0]
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    assert float(metrics["logits"]) == pytest.approx(float(want_metrics["logits"]), rel=1e-5)
     for name, a, b in zip(("weights", "tail", "carry", "argument"), want[1], got[1]):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=name)
 
