@@ -25,7 +25,16 @@ import jax.numpy as jnp
 from xlaopt.models.attention import AttentionSpec
 from xlaopt.models.block import TransformerBlock
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import RESIDUAL_BLD, RMSNorm, constrain, embedding_lookup, gathered, head_logits, param
+from xlaopt.models.layers import (
+    RESIDUAL_BLD,
+    RMSNorm,
+    constrain,
+    embedding_lookup,
+    gathered,
+    head_logits,
+    param,
+    rms_norm,
+)
 from xlaopt.models.masks import Tokens
 from xlaopt.models.mrope import rope_cos_sin
 from xlaopt.models.stack import LayerStack, StackSpec
@@ -208,11 +217,14 @@ class Cosmos3(nn.Module):
     rope_inv_freq: tuple[float, ...] | None = None
 
     @nn.compact
-    def __call__(self, batch: dict, gen_inputs_BVC: jax.Array | None = None):
+    def __call__(self, batch: dict, gen_inputs_BVC: jax.Array | None = None, objective: tuple | None = None):
         """Returns (text logits [B,T,E] fp32, generator predictions [B,V,C] fp32).
 
         `gen_inputs_BVC` is what the generator reads: noised latents on noisy tokens,
         clean ones on conditioning tokens (default: the clean latents, e.g. at init).
+        `objective` = (fn, data, counts), where the layer stack runs the loss inside it (a 1F1B
+        pipeline): returns `fn(logits, predictions, gen_modality_BV, data, counts)`, (loss,
+        terms), computed on the last stage one micro-batch at a time (`data` leads with rows).
         """
         if gen_inputs_BVC is None:
             gen_inputs_BVC = batch["gen_x0_BVC"]
@@ -230,18 +242,50 @@ class Cosmos3(nn.Module):
         tokens_S, T = joint_tokens(text_seg_BT, gen_seg_BV), text_seg_BT.shape[1]
         rope = lambda pos: rope_tables(c, pos, self.rope_inv_freq)
 
-        x_BTD, x_BVD = LayerStack(MoTLayer, layer_fields(c, dt, self.attention), c.num_layers, self.stack,
-                                  name="layers")(
-            (x_BTD, x_BVD), tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1]),
-            rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
-
-        h_BTD = gathered(RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")(x_BTD))
+        stack = LayerStack(MoTLayer, layer_fields(c, dt, self.attention), c.num_layers, self.stack, name="layers")
+        args = (tokens_S.slice(0, T), tokens_S.slice(T, tokens_S.segment_BL.shape[1]),
+                rope(batch["text_positions_3BT"]), rope(batch["gen_positions_3BV"]))
+        reasoner_norm = RMSNorm(D, "embed", c.norm_eps, name="reasoner_final_norm")
         head_DE = param(self, "lm_head_DE", (D, E), ("embed", "vocab"))
-        logits_BTE = head_logits(h_BTD, head_DE.astype(dt))
+        generator_norm = RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")
+        modality_BV, domain_BV = batch["gen_modality_BV"], batch["gen_action_domain_BV"]
+        if objective is not None and self.stack.loss_inside and not self.is_initializing():
+            fn, data, counts = objective
+            p = nn.meta.unbox(self.variables["params"])
+            # The generator's output weights (a few D x channels) whole on every device: split as
+            # their parameters are, the partitioner reshards them inside the tail's branch, a
+            # collective-permute only the last stage's devices run, and XLA:CPU's permute waits
+            # for every device of the program (cosmos3-tiny on stage=2,fsdp=2,tensor=2 hung).
+            io = jax.tree.map(lambda w: constrain(w, (None,) * w.ndim), p["generator_io"])
+            tail_params = {"reasoner_norm": p["reasoner_final_norm"]["scale"], "head_DE": head_DE,
+                           "generator_norm": p["generator_final_norm"]["scale"], "io": io}
+
+            def tail(tp, carry, rows, counts):
+                modality_BV, domain_BV, data = rows
+                logits_BTE, pred_BVC = _outputs(c, dt, tp, *carry, modality_BV, domain_BV)
+                return fn(logits_BTE, pred_BVC, modality_BV, data, counts)
+
+            return stack.loss((x_BTD, x_BVD), args, tail, tail_params, (modality_BV, domain_BV, data), counts)
+
+        x_BTD, x_BVD = stack((x_BTD, x_BVD), *args)
+        logits_BTE = head_logits(gathered(reasoner_norm(x_BTD)), head_DE.astype(dt))
         logits_BTE = constrain(logits_BTE, ("batch", "seq", "act_vocab"))
-        h_BVD = gathered(RMSNorm(D, "embed", c.norm_eps, name="generator_final_norm")(x_BVD))
-        pred_BVC = io.predict(h_BVD, batch["gen_modality_BV"], batch["gen_action_domain_BV"])
+        pred_BVC = io.predict(gathered(generator_norm(x_BVD)), modality_BV, domain_BV)
+        if objective is not None:
+            fn, data, counts = objective
+            return fn(logits_BTE, pred_BVC, modality_BV, data, counts)
         return logits_BTE, pred_BVC
+
+
+def _outputs(c: Cosmos3Config, dt, tail_params: dict, x_BTD, x_BVD, modality_BV, domain_BV):
+    """`Cosmos3.__call__`'s text logits and generator predictions from the stack's output, the
+    final norms', head's and generator output's weights given (a 1F1B stack's tail)."""
+    h_BTD = gathered(rms_norm(x_BTD, tail_params["reasoner_norm"], c.norm_eps))
+    logits_BTE = constrain(head_logits(h_BTD, tail_params["head_DE"].astype(dt)), ("batch", "seq", "act_vocab"))
+    h_BVD = gathered(rms_norm(x_BVD, tail_params["generator_norm"], c.norm_eps))
+    pred_BVC = GeneratorIO(c, dt, parent=None).apply({"params": tail_params["io"]}, h_BVD, modality_BV, domain_BV,
+                                        method=GeneratorIO.predict)
+    return logits_BTE, pred_BVC
 
 
 # ---- the two towers apart, for sampling: one-way flow (reasoner -> generator) means the

@@ -26,6 +26,7 @@ from xlaopt.models.layers import (
     head_logits,
     manual_axes,
     next_tokens,
+    one_hot_nll,
     param,
     rms_norm,
     token_mean,
@@ -155,13 +156,7 @@ def _nll_sum(eps: float, dtype, tail_params: dict, x_BTD, targets: tuple, scale)
     and scaled by `scale` (one over the batch's token count); no metrics beside."""
     targets_BT, has_next_BT = targets
     logits_BTE = _logits(gathered(rms_norm(x_BTD, tail_params["norm"], eps)), tail_params["head_DE"], dtype)
-    # The target's logit picked by a one-hot sum, not `token_nll`'s gather: inside the pipeline's
-    # shard_map, a gather from logits whose vocabulary tensor splits, beside rows FSDP splits,
-    # aborts XLA:CPU's compile on jax 0.10.2 (llama-tiny on stage=2,fsdp=2,tensor=2; a test
-    # runs that layout). The sum is vocabulary-parallel cross-entropy as Megatron computes it.
-    onehot_BTE = jax.nn.one_hot(targets_BT, logits_BTE.shape[-1], dtype=logits_BTE.dtype)
-    nll_BT = jax.nn.logsumexp(logits_BTE, axis=-1) - jnp.sum(logits_BTE * onehot_BTE, axis=-1)
-    return jnp.sum(jnp.where(has_next_BT, nll_BT, 0.0)) * scale, {}
+    return jnp.sum(jnp.where(has_next_BT, one_hot_nll(logits_BTE, targets_BT), 0.0)) * scale, {}
 
 
 def loss_fn(model: Decoder, params, batch: dict, key) -> tuple[jax.Array, dict]:

@@ -219,6 +219,15 @@ def token_nll(logits_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(jax.nn.log_softmax(logits_BTE, axis=-1), targets_BT[..., None], axis=-1)[..., 0]
 
 
+def one_hot_nll(logits_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """`token_nll` with the target's logit picked by a one-hot sum, not a gather: inside a
+    pipeline's shard_map, a gather from logits whose vocabulary tensor splits, beside rows FSDP
+    splits, aborts XLA:CPU's compile on jax 0.10.2 (llama-tiny on `stage=2,fsdp=2,tensor=2`, a
+    test case). The sum is vocabulary-parallel cross-entropy as Megatron computes it."""
+    onehot_BTE = jax.nn.one_hot(targets_BT, logits_BTE.shape[-1], dtype=logits_BTE.dtype)
+    return jax.nn.logsumexp(logits_BTE, axis=-1) - jnp.sum(logits_BTE * onehot_BTE, axis=-1)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)

@@ -3,12 +3,14 @@ next-token cross-entropy on reasoner text, combined as a weighted sum of per-mod
 (as NVIDIA's trainer does; each mean is over that modality's noisy elements only)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import next_token_loss, token_mean
+from xlaopt.models.layers import manual_axes, next_tokens, one_hot_nll, token_nll
 
 
 def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -30,23 +32,50 @@ def draws(batch: dict, key: jax.Array) -> dict:
 
 
 def loss_fn(model: Cosmos3, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
-    """Total loss and per-modality terms; the batch holds its draws (`draws`)."""
+    """Total loss and per-modality terms; the batch holds its draws (`draws`). Where the model's
+    layer stack runs the loss inside it (a 1F1B pipeline), `terms` is its tail's objective."""
     del key  # drawn from already
     c: Cosmos3Config = model.config
     x_t_BVC, target_BVC = noised_inputs(batch, batch["gen_noise_BVC"])
-    logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
+    targets_BT, has_next_BT = next_tokens(batch["text_tokens_BT"], batch["text_segment_ids_BT"])
+    data = (targets_BT, has_next_BT, target_BVC, batch["gen_noisy_BV"])
+    counts = _counts(c, has_next_BT, batch["gen_noisy_BV"], batch["gen_modality_BV"])
+    if model.stack.loss_inside:
+        total, losses = model.apply({"params": params}, batch, x_t_BVC,
+                                    objective=(functools.partial(terms, c, one_hot_nll), data, counts))
+    else:
+        logits_BTE, pred_BVC = model.apply({"params": params}, batch, x_t_BVC)
+        total, losses = terms(c, token_nll, logits_BTE, pred_BVC, batch["gen_modality_BV"], data, counts)
+    return total, {f"loss_{k}": v for k, v in losses.items()}
 
-    losses = {"text": next_token_loss(logits_BTE, batch["text_tokens_BT"], batch["text_segment_ids_BT"])}
 
+_CHANNELS = {VIDEO: "latent_patch_dim", ACTION: "action_dim", SOUND: "sound_dim"}
+
+
+def _modality_mask_BVC(c: Cosmos3Config, noisy_BV, modality_BV, modality: int) -> jax.Array:
+    """The elements a modality's mean covers: its noisy tokens' channels that modality has."""
+    token_mask_BV1 = (noisy_BV & (modality_BV == modality))[..., None]
+    return token_mask_BV1 & (jnp.arange(c.generator_in_dim) < getattr(c, _CHANNELS[modality]))
+
+
+def _counts(c: Cosmos3Config, has_next_BT, noisy_BV, modality_BV) -> dict:
+    """Each term's element count over the whole batch (under manual axes, every device's:
+    `token_mean`'s count)."""
+    counts = {"text": jnp.sum(has_next_BT)}
+    counts |= {MODALITY_NAMES[m]: jnp.sum(_modality_mask_BVC(c, noisy_BV, modality_BV, m)) for m in _CHANNELS}
+    return jax.lax.psum(counts, manual_axes()) if manual_axes() else counts
+
+
+def terms(c: Cosmos3Config, nll, logits_BTE, pred_BVC, modality_BV, data: tuple, counts: dict):
+    """(weighted total, {term: value}) of these rows: each term their masked sum over the whole
+    batch's count, so a micro-batch's terms sum to the batch's (`token_mean`). `nll(logits,
+    targets)`: each token's cross-entropy (`token_nll`; `one_hot_nll` inside a pipeline)."""
+    targets_BT, has_next_BT, target_BVC, noisy_BV = data
+    share = lambda values, mask, name: jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(counts[name], 1)  # noqa: E731
+    losses = {"text": share(nll(logits_BTE, targets_BT), has_next_BT, "text")}
     sq_err_BVC = jnp.square(pred_BVC - target_BVC)
-    channel_dims = {VIDEO: c.latent_patch_dim, ACTION: c.action_dim, SOUND: c.sound_dim}
-    C = c.generator_in_dim
-    for modality, dim in channel_dims.items():
-        token_mask_BV1 = (batch["gen_noisy_BV"] & (batch["gen_modality_BV"] == modality))[..., None]
-        mask_BVC = token_mask_BV1 & (jnp.arange(C) < dim)
-        losses[MODALITY_NAMES[modality]] = token_mean(sq_err_BVC, mask_BVC)
-
+    for modality, name in MODALITY_NAMES.items():
+        losses[name] = share(sq_err_BVC, _modality_mask_BVC(c, noisy_BV, modality_BV, modality), name)
     weights = {"text": c.text_loss_weight, "video": c.video_loss_weight,
                "action": c.action_loss_weight, "sound": c.sound_loss_weight}
-    total = sum(weights[k] * v for k, v in losses.items())
-    return total, {f"loss_{k}": v for k, v in losses.items()}
+    return sum(weights[k] * v for k, v in losses.items()), losses

@@ -40,6 +40,14 @@ class CollectiveMatmul(OffUnlessEnabled):
         if program.execution.matmuls == "fp8":
             # Each chunk would be scaled by its own maximum, not the tensor's: other numbers.
             return "fp8 matmuls: the ring's chunks run in the compute dtype, not the tensor's fp8 scaling"
+        schedule = program.pipeline_schedule
+        if schedule is not None and schedule.name == "1f1b":
+            # Checked by hand (2026-12-06): llama-tiny on stage=2,tensor=4 with the ring inside 1F1B's
+            # conditionals gave other numbers than one device (the same loop with each branch
+            # computed and selected gave the same): a collective-permute under a conditional that
+            # only some devices take is matched across ticks by XLA:CPU's rendezvous.
+            return ("1F1B runs each stage's layers under a conditional, and XLA:CPU matches the ring's sends "
+                    "there across ticks (other numbers than one device)")
         rules = dict((logical, axes) for logical, axes in reversed(program.rules))  # first rule wins
         for logical in ("act_heads", "act_mlp"):
             if AXIS not in rules.get(logical, ()):

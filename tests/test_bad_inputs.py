@@ -352,11 +352,11 @@ ROWS = [
                    "--exec", "pipeline_schedule=1f1b", "--exec", "pipeline_virtual_stages=2"],
         "1f1b over 2 virtual stages is interleaved 1F1B, not built yet; use virtual stages 1, or gpipe with "
         "virtual stages", UNCHANGED),
-    Row("pipeline-1f1b-loss-outside-the-stack", RANGE, "`verify --model cosmos3-tiny --exec pipeline_schedule=1f1b`",
-        lambda w: ["verify", "--model", "cosmos3-tiny", "--mesh", "stage=2", "--exec", "layer_stack=pipeline",
+    Row("pipeline-1f1b-loss-outside-the-stack", RANGE, "`verify --model vit-tiny --exec pipeline_schedule=1f1b`",
+        lambda w: ["verify", "--model", "vit-tiny", "--mesh", "stage=2", "--exec", "layer_stack=pipeline",
                    "--exec", "pipeline_schedule=1f1b"],
-        "pipeline_schedule=1f1b runs the loss inside the layer stack, which the cosmos3 family does not do yet (the "
-        "decoder family does); use pipeline_schedule=gpipe", UNCHANGED),
+        "pipeline_schedule=1f1b runs the loss inside the layer stack, which the vit family does not do yet (the "
+        "cosmos3 and decoder families do); use pipeline_schedule=gpipe", UNCHANGED),
     Row("stages-without-pipeline", RANGE, "`verify --mesh stage=2` (the layers scanned, not pipelined)",
         lambda w: ["verify", *LLAMA, "--mesh", "stage=2"],
         "cuts the layers into 2 pipeline stages, which only a pipeline runs; add --exec layer_stack=pipeline",

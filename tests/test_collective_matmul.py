@@ -129,6 +129,8 @@ def test_the_pass_says_why_it_does_not_apply():
         "collective-matmul"].report["skipped"]
     assert "no tensor parallelism" in reason("data=8")
     assert "context parallel" in reason("context=2,tensor=4", attention="segment")
+    assert "1F1B runs each stage's layers under a conditional" in reason(
+        "stage=2,tensor=4", layer_stack="pipeline", pipeline_schedule="1f1b")
 
 
 def test_on_the_gpu_target_xla_schedules_compute_inside_the_ring_transfers(tmp_path):

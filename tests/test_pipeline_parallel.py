@@ -152,6 +152,11 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
     "llama-1f1b-four-stages-eight-microbatches": (
         get_config("llama-tiny"), "stage=4,data=2", BatchShape(16, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=8, pipeline_schedule="1f1b"), None, set()),
+    # Cosmos 3's tail: both final norms, the text head and the generator's outputs, the four
+    # loss terms; the generator's output weights whole in the tail (split, XLA:CPU hung here).
+    "cosmos3-1f1b-fsdp-tensor": (get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2", None,
+                                 dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b"),
+                                 None, set()),
     "llama-1f1b-fsdp-tensor-weights-once": (
         get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),

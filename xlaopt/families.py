@@ -109,7 +109,7 @@ FAMILIES = {
                       SyntheticCosmos, ("text_segment_ids_BT", "gen_segment_ids_BV"), cosmos3.attention_calls,
                       lambda c: BatchShape(8, 56, 104), towers=2, decodes_text=True, generates_video=True,
                       packs_samples=True, draws=objective.draws, draw_axes=objective.DRAW_AXES,
-                      trainable_sets=(("generator", cosmos3.GENERATOR_SET),)),
+                      trainable_sets=(("generator", cosmos3.GENERATOR_SET),), loss_in_stack=True),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0),
                       decodes_text=True, loss_in_stack=True),

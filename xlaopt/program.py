@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import TARGETS, ExecutionConfig
-from xlaopt.families import family_of
+from xlaopt.families import FAMILIES, family_of
 from xlaopt.mesh import STAGE, MeshSpec
 from xlaopt.models.pipeline import PipelineSchedule
 from xlaopt.sharding import DEFAULT_RULES, Rule, sequence_axes, validate_rules
@@ -192,7 +192,9 @@ class TrainProgram:
         family = family_of(self.model)
         if execution.pipeline_schedule == "1f1b" and not family.loss_in_stack:
             raise UserError(f"pipeline_schedule=1f1b runs the loss inside the layer stack, which the {family.name} "
-                            f"family does not do yet (the decoder family does); use pipeline_schedule=gpipe")
+                            f"family does not do yet (the "
+                            f"{' and '.join(n for n, f in FAMILIES.items() if f.loss_in_stack)} families do); use "
+                            f"pipeline_schedule=gpipe")
         row_axes = next((axes for logical, axes in self.rules if logical == "batch"), ())
         shards = math.prod(self.mesh.size(a) for a in row_axes if a != STAGE)
         rows = self.settings.batch.batch_size // execution.micro_batches
