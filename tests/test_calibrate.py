@@ -375,8 +375,8 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
 def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;
     re-priced under other efficiencies without compiling again; an fp8 row compiles with fp8
-    matmuls, saying whose scaling recipe it priced; a pipelined row compiles as xlaopt's GPipe
-    loop (over the row's virtual stages) and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
+    matmuls, saying whose scaling recipe it priced; a pipelined row compiles as xlaopt's 1F1B
+    loop, or its GPipe loop over the row's virtual stages, and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
     row; stages that cannot be equal compile padded to equal ones, saying so. A100 rows are priced
     analytically with the reason."""
     small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
@@ -395,8 +395,9 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     assert by_id["X5"]["approximations"][0].startswith("3 layers compiled as 4 (2 on each of 2 equal stages")
     assert "the 1 extra layer priced, 33.3% more layer compute" in by_id["X5"]["approximations"][0]
     assert by_id["X2"]["method"] == "compiled" and by_id["X2"]["approximations"] == [
-        "pipeline compiled as xlaopt's SPMD GPipe loop (1F1B in the row): the bubble is 1 of 4 + 1 ticks, every "
-        "tick's activations held, the embedding and head on every stage's share of the rows"]
+        "pipeline compiled as xlaopt's SPMD 1F1B loop (the row's schedule, its forward and backward ticks in "
+        "lockstep): the bubble is 1 of 4 + 1 stage times, at most 3 micro-batches' activations held, the embedding "
+        "on every stage"]
     assert by_id["X6"]["method"] == "compiled" and "Ulysses' all-to-alls" in by_id["X6"]["approximations"][0]
     assert by_id["X7"]["method"] == "compiled" and by_id["X7"]["approximations"][0].startswith(
         "3 layers compiled as 4 (2 on each of 2 equal stages")

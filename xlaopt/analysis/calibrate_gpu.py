@@ -18,8 +18,8 @@ A row the GPU target cannot build says why and is priced analytically (`calibrat
 parallel whose heads Ulysses cannot split, a GPU without a target config, an A100 (cuDNN's packed
 attention needs Hopper). Pipeline stages that cannot hold equal layer counts compile with the
 layers padded to a multiple of the stages (`stage_layers`), said among the approximations. A pipelined row
-compiles as xlaopt's SPMD GPipe loop (its micro-batches and virtual stages the row's: interleaved 1F1B's
-bubble, GPipe's held activations), context parallel as Ulysses on
+compiles as xlaopt's SPMD 1F1B loop (the row's 1F1B, its ticks in lockstep), or with virtual stages
+as its GPipe loop over them (interleaved 1F1B's bubble, GPipe's held activations), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
 A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
@@ -93,13 +93,18 @@ def approximations(priced) -> list[str]:
         notes.append("eager elementwise kernels compiled fused by XLA")
     if sw.fp8_linear and "current" not in priced.run.precision.lower():
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
-    if layout.pp > 1:
+    if layout.pp > 1 and layout.virtual_stages > 1:
         v, m = layout.virtual_stages, layout.micro_batches
-        loop, ran, ticks = ((f" over {v} virtual stages", "the row's interleaved 1F1B over as many has the same "
-                             "bubble", f"{v} x ") if v > 1 else ("", "1F1B in the row", ""))
-        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop{loop} ({ran}): the bubble is "
-                     f"{layout.pp - 1} of {ticks}{m:g} + {layout.pp - 1} ticks, every tick's activations held, the "
-                     f"embedding and head on every stage's share of the rows")
+        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop over {v} virtual stages (the row's interleaved "
+                     f"1F1B over as many has the same bubble): the bubble is {layout.pp - 1} of {v} x {m:g} + "
+                     f"{layout.pp - 1} ticks, every tick's activations held, the embedding and head on every "
+                     f"stage's share of the rows")
+    elif layout.pp > 1:
+        m = layout.micro_batches
+        notes.append(f"pipeline compiled as xlaopt's SPMD 1F1B loop (the row's schedule, its forward and backward "
+                     f"ticks in lockstep): the bubble is {layout.pp - 1} of {m:g} + {layout.pp - 1} stage times, at "
+                     f"most {min(int(m), 2 * layout.pp - 1)} micro-batches' activations held, the embedding on "
+                     f"every stage")
     if layout.cp > 1:
         notes.append("context parallel compiled as Ulysses' all-to-alls around cuDNN on whole rows (the row's "
                      "framework passes K and V round a ring)")
@@ -156,7 +161,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
     if layout.pp > 1:  # the row's micro-batches run through the stages in one accumulation step
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=int(layout.micro_batches),
-                                        pipeline_virtual_stages=layout.virtual_stages)
+                                        pipeline_virtual_stages=layout.virtual_stages,
+                                        pipeline_schedule="1f1b" if layout.virtual_stages == 1 else "gpipe")
     try:
         config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run))
         program = TrainProgram(config, mesh, rules=rules, target="gpu", execution=execution,
