@@ -91,7 +91,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         pathlib.Path(dump_dir).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(dump_dir) / f"analyzed-{target}.compiled.hlo").write_text(text)
     schedule = build_schedule(text, loop_trips=work.loop_trips, custom_call_flops=work.custom_call_flops,
-                              branch_taken=_branches_taken(program))
+                              branch_taken=branches_taken(program))
     cpu = target == "cpu"
     dtype = program.execution.compute_dtype
     placed = topology.placed(program.mesh.placement())  # the replica groups' devices where the mesh order puts them
@@ -161,7 +161,7 @@ def _attention_json(program: TrainProgram, target: str, work) -> dict:
             "fused_call_flops_mean_device": work.mean_custom_call_flops}
 
 
-def _branches_taken(program: TrainProgram) -> dict:
+def branches_taken(program: TrainProgram) -> dict:
     """What the simulator needs of a pipeline's conditional branches (1F1B's), tick by tick."""
     schedule = program.pipeline_schedule
     return schedule.branches_taken() if schedule is not None else {}

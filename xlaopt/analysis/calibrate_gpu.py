@@ -137,7 +137,7 @@ class GpuStep:
 
 def compile_gpu_step(priced) -> GpuStep | str:
     """Compile `priced`'s row for its GPUs (see the module docstring); a string says why not."""
-    from xlaopt.analysis.analyze import check_fits, compiled_for, memory_of
+    from xlaopt.analysis.analyze import branches_taken, check_fits, compiled_for, memory_of
     from xlaopt.analysis.attention_work import batch_work
     from xlaopt.analysis.calibrate_compiled import decoder_config, execution_for
     from xlaopt.analysis.priced_batch import whole_rows_batch
@@ -178,7 +178,7 @@ def compile_gpu_step(priced) -> GpuStep | str:
     # cuDNN's fused attention calls carry no FLOPs in XLA's cost analysis: given by name scope,
     # for rows of one document each (causal across the row, as the frameworks ran them).
     work = batch_work(program, whole_rows_batch(program).arrays)
-    schedule = build_schedule(text, custom_call_flops=work.custom_call_flops)
+    schedule = build_schedule(text, custom_call_flops=work.custom_call_flops, branch_taken=branches_taken(program))
     notes = approximations(priced)
     peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
     if 0 < hbm < peak:  # priced all the same: the simulator does not see memory
