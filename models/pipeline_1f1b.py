@@ -55,9 +55,10 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
     summed over micro-batches, with the loss's gradients by the 1F1B schedule over the stages.
 
     `tail(tail_params, y, tail_args_m, extra)` is one micro-batch's share of the loss and of each
-    metric (the sum of the shares is the loss, or the metric). `args` and `tail_args` lead with the rows like `carry`; `tail_args`
-    and `extra` are data (no gradient flows into them). `inner` and `gather` as in
-    `pipeline_layers`. One stage: `inner` then `tail` on the whole batch, the same numbers."""
+    metric (the sum of the shares is the loss, or the metric). `args` and `tail_args` lead with
+    the rows like `carry`; `tail_args` and `extra` are data (no gradient flows into them).
+    `inner` and `gather` as in `pipeline_layers`. One stage: `inner` then `tail` on the whole
+    batch, the same numbers."""
     stages = stages_of_mesh()
     if stages == 1:
         return tail(tail_params, inner(layer_fn, params_L, carry, args), tail_args, extra)
