@@ -142,11 +142,19 @@ class PipelineSchedule:
         """A ValueError naming the virtual stage counts that work where `layers` do not cut into
         stages x virtual stages equal chunks."""
         if layers % (self.stages * self.virtual_stages):
-            per_stage = layers // self.stages
-            works = [v for v in range(1, per_stage + 1) if per_stage % v == 0] if layers % self.stages == 0 else [1]
+            works = virtual_stage_counts(layers, self.stages)
             raise ValueError(f"{self.virtual_stages} virtual stages do not divide each of the {self.stages} stages' "
                              f"{layers / self.stages:g} layers into equal chunks; use "
                              f"{', '.join(map(str, works))}")
+
+
+def virtual_stage_counts(layers: int, stages: int, most: int | None = None) -> list[int]:
+    """The virtual stage counts (up to `most`) that cut each of `stages` stages' layers into equal
+    chunks: 1 alone where the stages themselves do not divide the layers."""
+    if layers % stages:
+        return [1]
+    per_stage = layers // stages
+    return [v for v in range(1, min(per_stage, most or per_stage) + 1) if per_stage % v == 0]
 
 
 def stages_of_mesh() -> int:

@@ -25,6 +25,7 @@ from xlaopt.data.batch import BatchShape
 from xlaopt.errors import UserError
 from xlaopt.execution import DTYPES
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
+from xlaopt.models.pipeline import virtual_stage_counts
 from xlaopt.transforms.ulysses_attention import ulysses_split
 
 # Recomputation policies (`xlaopt.models.remat`), from the least recomputed to the most: keep
@@ -174,11 +175,9 @@ def pipeline_stages(nodes: int) -> tuple[int, ...]:
     return tuple(_divisors(nodes))
 
 
-def _virtual_stages(config, pp: int, stacked: bool) -> tuple[int, ...]:
+def _virtual_stages(config, pp: int, stacked: bool) -> list[int]:
     """The virtual stage counts tried on `pp` stages: those that cut a stage's layers evenly."""
-    if pp == 1 or not stacked or config.num_layers % pp:
-        return (1,)
-    return tuple(v for v in range(1, MAX_VIRTUAL_STAGES + 1) if (config.num_layers // pp) % v == 0)
+    return virtual_stage_counts(config.num_layers, pp, MAX_VIRTUAL_STAGES) if pp > 1 and stacked else [1]
 
 
 def _schedules(config, pp: int, stacked: bool) -> list[tuple[str, int]]:
