@@ -71,7 +71,7 @@ def bubble() -> dict:
     reference = _stage_reference_s()
     only = set(filter(None, os.environ.get("BUBBLE_ROWS", "").split(";")))  # e.g. "4,1,1f1b;8,1,1f1b"
     for M, V, schedule in ((2, 1, "gpipe"), (4, 1, "gpipe"), (8, 1, "gpipe"), (4, 2, "gpipe"), (8, 2, "gpipe"),
-                           (4, 1, "1f1b"), (8, 1, "1f1b")):
+                           (4, 1, "1f1b"), (8, 1, "1f1b"), (4, 2, "1f1b"), (8, 2, "1f1b")):
         if only and f"{M},{V},{schedule}" not in only:
             continue
         with tempfile.TemporaryDirectory() as dump:

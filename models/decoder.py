@@ -24,11 +24,11 @@ from xlaopt.models.layers import (
     embedding_lookup,
     gathered,
     head_logits,
-    manual_axes,
     next_tokens,
     one_hot_nll,
     param,
     rms_norm,
+    token_count,
     token_mean,
     token_nll,
 )
@@ -120,14 +120,11 @@ class Decoder(nn.Module):
         if loss:
             targets_BT, has_next_BT = next_tokens(batch["tokens_BT"], batch["segment_ids_BT"])
         if loss and self.stack.loss_inside and not self.is_initializing():
-            count = jnp.sum(has_next_BT)
-            if manual_axes():  # token_mean's share of the mean: over every device's tokens
-                count = jax.lax.psum(count, manual_axes())
             tail_params = {"norm": nn.meta.unbox(self.variables["params"]["final_norm"]["scale"]),
                            "head_DE": self._head_DE(embed_ED)}
             tail = functools.partial(_nll_sum, self.config.norm_eps, self.dtype)
             loss, _ = stack.loss(x_BTD, (tokens_T, rope), tail, tail_params, (targets_BT, has_next_BT),
-                                 1.0 / jnp.maximum(count, 1))
+                                 1.0 / jnp.maximum(token_count(has_next_BT), 1))  # token_mean's share
             return loss
         logits_BTE = _logits(gathered(final_norm(stack(x_BTD, tokens_T, rope))), self._head_DE(embed_ED), self.dtype)
         return token_mean(token_nll(logits_BTE, targets_BT), has_next_BT) if loss else logits_BTE

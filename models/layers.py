@@ -105,14 +105,18 @@ def manual_over(axes: tuple[str, ...]):
     return installed(_MANUAL_AXES, tuple(axes))
 
 
+def token_count(mask):
+    """How many of the whole batch's elements `mask` holds: under manual axes (`manual_over`)
+    every device's, summed over them. `mask` may be a tree of masks, counted leaf by leaf."""
+    counts = jax.tree.map(jnp.sum, mask)
+    return jax.lax.psum(counts, manual_axes()) if manual_axes() else counts
+
+
 def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     """The mean of `values` where `mask` holds, over the whole batch: under manual axes
     (`manual_over`) this device's masked sum over the count of every device's tokens, the share
     of the mean that, summed over the devices, is the mean."""
-    count = jnp.sum(mask)
-    if manual_axes():
-        count = jax.lax.psum(count, manual_axes())
-    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(count, 1)
+    return jnp.sum(jnp.where(mask, values, 0.0)) / jnp.maximum(token_count(mask), 1)
 
 
 # How a matmul that contracts over a dimension tensor parallelism splits runs: by default one

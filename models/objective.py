@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from xlaopt.models.cosmos3 import ACTION, MODALITY_NAMES, SOUND, VIDEO, Cosmos3
 from xlaopt.models.cosmos3_config import Cosmos3Config
-from xlaopt.models.layers import manual_axes, next_tokens, one_hot_nll, token_nll
+from xlaopt.models.layers import next_tokens, one_hot_nll, token_count, token_nll
 
 
 def noised_inputs(batch: dict, noise_BVC: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,9 +61,9 @@ def _modality_mask_BVC(c: Cosmos3Config, noisy_BV, modality_BV, modality: int) -
 def _counts(c: Cosmos3Config, has_next_BT, noisy_BV, modality_BV) -> dict:
     """Each term's element count over the whole batch (under manual axes, every device's:
     `token_mean`'s count)."""
-    counts = {"text": jnp.sum(has_next_BT)}
-    counts |= {MODALITY_NAMES[m]: jnp.sum(_modality_mask_BVC(c, noisy_BV, modality_BV, m)) for m in _CHANNELS}
-    return jax.lax.psum(counts, manual_axes()) if manual_axes() else counts
+    masks = {"text": has_next_BT} | {MODALITY_NAMES[m]: _modality_mask_BVC(c, noisy_BV, modality_BV, m)
+                                      for m in _CHANNELS}
+    return token_count(masks)
 
 
 def terms(c: Cosmos3Config, nll, logits_BTE, pred_BVC, modality_BV, data: tuple, counts: dict):

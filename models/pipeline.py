@@ -44,10 +44,11 @@ from xlaopt.mesh import DATA, STAGE
 from xlaopt.models.attention import attention_sequence_axis
 from xlaopt.models.layers import batch_mesh_axes, manual_axes, manual_over, rows_split_over
 
-SCHEDULES = ("gpipe", "1f1b")  # 1f1b: `xlaopt.models.pipeline_1f1b`
+SCHEDULES = ("gpipe", "1f1b")  # 1f1b: `xlaopt.models.pipeline_1f1b`; over virtual stages, interleaved 1F1B
 # Schedules of the published runs this SPMD loop cannot run yet.
-NOT_BUILT = {"interleaved": "1F1B over virtual stages; GPipe's order over them is pipeline_virtual_stages",
-             "zero-bubble": "split backward passes"}
+NOT_BUILT = {"zero-bubble": "split backward passes"}
+# Names the published runs give schedules this loop runs under another name.
+ALIASES = {"interleaved": "pipeline_schedule=1f1b with pipeline_virtual_stages=2 or more (interleaved 1F1B)"}
 
 
 # The name scope of each of 1F1B's conditional branches (`xlaopt.models.pipeline_1f1b`), by which
@@ -57,6 +58,8 @@ BRANCH_SCOPE = "pipeline_{}"
 
 def check_schedule(name: str) -> None:
     """A ValueError naming what is built where `name` is not a schedule this loop runs."""
+    if name in ALIASES:
+        raise ValueError(f"pipeline schedule {name!r}: set {ALIASES[name]}")
     if name in NOT_BUILT:
         raise ValueError(f"pipeline schedule {name!r} ({NOT_BUILT[name]}) is not built yet; xlaopt's pipeline runs "
                          f"{', '.join(SCHEDULES)}")
@@ -71,7 +74,10 @@ class PipelineSchedule:
     m runs on stage p at forward tick m + p; the backward ticks mirror the forward ones. With
     V virtual stages, round v of micro-batch m runs on stage p at tick v * M + m + p. 1F1B: a
     tick runs a forward and a backward, micro-batch m's forward on stage p at tick m + p and its
-    backward at tick m + 2P - 2 - p."""
+    backward at tick m + 2P - 2 - p. Interleaved 1F1B (1F1B over V virtual stages): groups of P
+    micro-batches go round the ring V times, one chunk a tick (`unit`), so the last stage's
+    result reaches stage 0 just as its next round starts; the backward follows the same units in
+    reverse chunk order, VP + P - 2 - p ticks behind (`backward_lag`)."""
     stages: int
     microbatches: int
     name: str = "gpipe"
@@ -84,17 +90,40 @@ class PipelineSchedule:
                              f"multiple of the stages (each stage receives an equal share of the output)")
         if self.virtual_stages < 1:
             raise ValueError(f"{self.virtual_stages} virtual stages: at least 1")
-        if self.name == "1f1b" and self.virtual_stages > 1:
-            raise ValueError(f"1f1b over {self.virtual_stages} virtual stages is interleaved 1F1B, not built yet; "
-                             f"use virtual stages 1, or gpipe with virtual stages")
 
     @property
     def ticks(self) -> int:
         """GPipe: forward ticks (the backward has as many), each 1 / V of a stage's layers.
         1F1B: ticks of a forward and a backward each."""
         if self.name == "1f1b":
-            return self.microbatches + 2 * self.stages - 2
+            return self.virtual_stages * self.microbatches + self.backward_lag(0)
         return self.virtual_stages * self.microbatches + self.stages - 1
+
+    def unit(self, i):
+        """1F1B: (micro-batch, chunk round) of a stage's i-th forward (i = tick - stage) or, with
+        the round counted from the last, its i-th backward (i = tick - `backward_lag`). Works on
+        ints and on traced integers alike."""
+        P, PV = self.stages, self.stages * self.virtual_stages
+        return i // PV * P + i % P, i % PV // P
+
+    def backward_lag(self, stage):
+        """1F1B: the ticks by which `stage`'s backward units trail its forward ones' ticks (its
+        forward unit i runs at tick i + stage): the last stage runs a micro-batch's last-round
+        forward, the tail and that chunk's backward in one tick."""
+        return self.virtual_stages * self.stages + self.stages - 2 - stage
+
+    def forward_at(self, stage: int, tick: int) -> tuple[int, int] | None:
+        """1F1B: (micro-batch, round) whose forward `stage` runs at `tick`, None where none."""
+        i = tick - stage
+        return self.unit(i) if 0 <= i < self.virtual_stages * self.microbatches else None
+
+    def backward_at(self, stage: int, tick: int) -> tuple[int, int] | None:
+        """1F1B: (micro-batch, round) whose backward `stage` runs at `tick`, None where none."""
+        i = tick - self.backward_lag(stage)
+        if not 0 <= i < self.virtual_stages * self.microbatches:
+            return None
+        m, back = self.unit(i)
+        return m, self.virtual_stages - 1 - back
 
     def work_at(self, stage: int, tick: int) -> tuple[int, int] | None:
         """(micro-batch, round) `stage` runs at forward `tick`, None in the bubble."""
@@ -107,11 +136,14 @@ class PipelineSchedule:
         return None if work is None else work[0]
 
     def taken_at(self, tick: int) -> dict[str, bool]:
-        """1F1B: whether any stage runs a forward, the tail (the loss, on the last stage) and a
-        backward at `tick`. In lockstep a tick lasts as long as its busiest stage: the first
-        P - 1 ticks run forwards alone, the last P - 1 backwards alone."""
-        P, M = self.stages, self.microbatches
-        return {"forward": tick < M + P - 1, "tail": P - 1 <= tick < M + P - 1, "backward": tick >= P - 1}
+        """1F1B: whether any stage runs a forward, the tail (the loss, on the last stage, after a
+        micro-batch's last round) and a backward at `tick`. In lockstep a tick lasts as long as
+        its busiest stage: the first VP - 1 ticks run forwards alone, the last VP - 1 backwards
+        alone (P - 1 each without virtual stages)."""
+        P, V, units = self.stages, self.virtual_stages, self.virtual_stages * self.microbatches
+        last = self.forward_at(P - 1, tick)
+        return {"forward": tick < units + P - 1, "tail": last is not None and last[1] == V - 1,
+                "backward": tick >= self.backward_lag(P - 1)}
 
     def branches_taken(self) -> dict[str, Callable[[int], bool]]:
         """For the simulator (`build_schedule`'s `branch_taken`): the name scope of each of
@@ -124,18 +156,20 @@ class PipelineSchedule:
     @property
     def bubble_fraction(self) -> float:
         """The share of each device's time that runs no micro-batch: (P - 1) / (V M + P - 1).
-        1F1B's is GPipe's: its first P - 1 ticks run forwards alone and its last P - 1
-        backwards alone, so (M + P - 1) (F + B) in all."""
+        1F1B's is GPipe's: its first VP - 1 ticks run forwards alone and its last VP - 1
+        backwards alone, so (V M + P - 1) (F + B) / V in all."""
         return (self.stages - 1) / (self.virtual_stages * self.microbatches + self.stages - 1)
 
     @property
     def saved_ticks(self) -> int:
         """Ticks whose activations a stage holds at most: GPipe, every forward tick at the turn
         from forward to backward, the bubble's included (it holds all M micro-batches; this SPMD
-        loop also saves what its bubble ticks computed). 1F1B: stage 0 keeps a micro-batch from
-        its forward to its backward 2P - 2 ticks later, so at most 2P - 1 at once."""
+        loop also saves what its bubble ticks computed). 1F1B: the slots of its ring, a tick's
+        chunk each. Stage 0 keeps a micro-batch's first round from its forward to its backward
+        2VP - 2 ticks later, so 2VP - 1 slots (2P - 1 micro-batches without virtual stages); the
+        most held at once over virtual stages is (V + 1) P - 1."""
         if self.name == "1f1b":
-            return min(self.microbatches, 2 * self.stages - 1)
+            return min(self.virtual_stages * self.microbatches, 2 * self.virtual_stages * self.stages - 1)
         return self.ticks
 
     def check_layers(self, layers: int) -> None:

@@ -18,6 +18,22 @@ once a step, not kept per slot. Each stage's forward, tail and backward sit unde
 sends outside it), so a stage that has nothing to run in a tick runs nothing: a tick costs the
 busiest stage's work, and the step (M + P - 1) (F + B), GPipe's.
 
+Two writes stay outside the conditionals, for XLA's GPU compile (calibration row N10, an 80.2 s
+step before either): a bubble tick's forward writes its zeros into a spare slot past the ring,
+where a write guarded by a select became a select of the whole ring (21.7 s); and a backward's
+weight gradients are added to the accumulators after its conditional, where inside it XLA copied
+the accumulators in and out every tick (7.8 s).
+
+Interleaved 1F1B (V virtual stages): each stage's layers in V chunks (chunk vP + p on stage p,
+the weights reordered as GPipe's rounds reorder them, their gradients back after the ticks).
+Groups of P micro-batches go round the ring V times, one chunk a tick, so the last stage's
+result reaches stage 0 the tick its next round starts and no round waits in a buffer; the
+backward runs the same units with the rounds reversed, VP + P - 2 - p ticks behind
+(`PipelineSchedule.unit`, `backward_lag`). V M + VP + P - 2 ticks of 1 / V of a stage's layers:
+the bubble is (P - 1) / V stage times. A stage holds at most (V + 1) P - 1 chunks' residuals,
+in a ring of min(V M, 2VP - 1) slots (a slot per tick of the longest wait, stage 0's first
+round; slots per round would save about a quarter, not done).
+
 Manual over the same axes as GPipe's loop (`stage`, `data` where it splits the rows, Ulysses'
 `context`); the gradients this loop computes itself are summed over them explicitly.
 """
@@ -34,7 +50,7 @@ from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import STAGE
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
-from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, stages_of_mesh
+from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 
 # (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss, and of each
 # metric ({name: scalar}, reported, not differentiated)
@@ -50,19 +66,20 @@ def _no_cotangent(x):
 
 
 def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: Tail, tail_params, tail_args,
-                       extra, microbatches: int, inner: Callable, gather: Callable | None = None):
+                       extra, microbatches: int, inner: Callable, gather: Callable | None = None,
+                       virtual_stages: int = 1):
     """(loss, metrics) of `tail` after the layers of `params_L` ([L, ...] leaves) over `carry`,
     summed over micro-batches, with the loss's gradients by the 1F1B schedule over the stages.
 
     `tail(tail_params, y, tail_args_m, extra)` is one micro-batch's share of the loss and of each
     metric (the sum of the shares is the loss, or the metric). `args` and `tail_args` lead with
     the rows like `carry`; `tail_args` and `extra` are data (no gradient flows into them).
-    `inner` and `gather` as in `pipeline_layers`. One stage: `inner` then `tail` on the whole
-    batch, the same numbers."""
+    `inner`, `gather` and `virtual_stages` as in `pipeline_layers` (over virtual stages:
+    interleaved 1F1B). One stage: `inner` then `tail` on the whole batch, the same numbers."""
     stages = stages_of_mesh()
     if stages == 1:
         return tail(tail_params, inner(layer_fn, params_L, carry, args), tail_args, extra)
-    schedule = PipelineSchedule(stages, microbatches or stages, "1f1b")
+    schedule = PipelineSchedule(stages, microbatches or stages, "1f1b", virtual_stages)
     schedule.check_layers(jax.tree.leaves(params_L)[0].shape[0])
     for leaf in jax.tree.leaves(carry):
         if not _inexact(leaf):
@@ -105,15 +122,14 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
 
 
 def _residual_split(fwd: Callable, params_k, x, a_float, a_rest):
-    """(per_microbatch, rebuild, kept_avals) for the vjp residuals of `fwd(params_k, x, a_float,
-    a_rest)` (differentiated in the first three): which of its leaves depend on the micro-batch,
-    `rebuild(kept) -> vjp` from those leaves (the others computed once, from the weights alone),
-    and their shapes. A leaf depends on the micro-batch where the jaxpr that makes it, dead code
-    removed, reads one of its inputs."""
+    """(per_microbatch, once_of, rebuild, kept_avals) for the vjp residuals of `fwd(params_k, x,
+    a_float, a_rest)` (differentiated in the first three): which of its leaves depend on the
+    micro-batch, `once_of(params_k)` the others (computed once a step, from the weights alone),
+    `rebuild(once, kept) -> vjp` from both, and the kept leaves' shapes. A leaf depends on the
+    micro-batch where the jaxpr that makes it, dead code removed, reads one of its inputs."""
     def vjp_of(p, x, af, ar):
         return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)[1]
 
-    inputs = jax.tree.leaves((params_k, x, a_float, a_rest))
     n_weights = len(jax.tree.leaves(params_k))
     treedef = jax.tree.structure(jax.eval_shape(vjp_of, params_k, x, a_float, a_rest))
     closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_of(*a)))(params_k, x, a_float, a_rest)
@@ -122,19 +138,30 @@ def _residual_split(fwd: Callable, params_k, x, a_float, a_rest):
                       for i in range(n_out)]
     jaxpr, used_consts, used_inputs = pe.dce_jaxpr_consts(closed.jaxpr, [not v for v in per_microbatch])
     consts = [c for c, u in zip(closed.consts, used_consts) if u]
-    once = jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*[a for a, u in zip(inputs, used_inputs) if u])
+    weights_used = used_inputs[:n_weights]  # and no input past them: no such leaf reads the micro-batch
 
-    def rebuild(kept):
+    def once_of(params):
+        used = [w for w, u in zip(jax.tree.leaves(params), weights_used) if u]
+        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*used)
+
+    def rebuild(once, kept):
         it_once, it_kept = iter(once), iter(kept)
         return jax.tree.unflatten(treedef, [next(it_kept) if v else next(it_once) for v in per_microbatch])
 
-    return per_microbatch, rebuild, [a for a, v in zip(closed.out_avals, per_microbatch) if v]
+    return per_microbatch, once_of, rebuild, [a for a, v in zip(closed.out_avals, per_microbatch) if v]
 
 
 def _zeros_of(fn: Callable, *operands) -> Callable:
     """A `lax.cond` branch that runs nothing: `fn`'s results' shapes, zero."""
     shapes = jax.eval_shape(fn, *operands)
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _add_at(d, i, g):
+    """`d[i] += g` by a dynamic slice and update, in place. As a scatter-add (`d.at[i].add`), XLA's
+    partitioner lost the accumulator's tensor split on the GPU target and all-reduced the
+    gradients over `tensor` every tick (calibration row N03: 3.9x the tensor bytes)."""
+    return jax.lax.dynamic_update_index_in_dim(d, jax.lax.dynamic_index_in_dim(d, i, 0, keepdims=False) + g, i, 0)
 
 
 def _reduced(acc, summed: tuple[str, ...]):
@@ -153,13 +180,23 @@ def _reduced(acc, summed: tuple[str, ...]):
 
 def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data, seq):
     """The shard_map's body: (loss, (weight, tail, carry and float args' gradients)) of this device."""
-    P, M = schedule.stages, schedule.microbatches
+    P, V, units = schedule.stages, schedule.virtual_stages, schedule.virtual_stages * schedule.microbatches
     slots = schedule.saved_ticks
     summed = tuple(a for a in (data, seq) if a)
+    # Without virtual stages the last stage's result goes nowhere; with them, round after round.
+    up = [(p, (p + 1) % P) for p in range(P - (V == 1))]
+    down = [(b, a) for a, b in up]
 
     def local(params_k, tail_params, carry, args, tail_args, extra):
         if gather is not None:
             params_k = gather(params_k)
+        # [V, k / V, ...]: this stage's chunks in round order (`pipeline._to_round_order`); the
+        # gradients go back through its transpose after the ticks.
+        chunks, to_contiguous = jax.vjp(lambda w: jax.tree.map(
+            lambda x: _to_round_order(x, P, V).reshape(V, x.shape[0] // V, *x.shape[1:]) if V > 1 else x[None], w),
+            params_k)
+        chunk = (lambda tree, v: jax.tree.map(lambda x: x[v], tree)) if V > 1 else (  # noqa: E731
+            lambda tree, v: jax.tree.map(lambda x: x[0], tree))
         carry_M, args_M, tail_args_M = (jax.tree.map(split, t) for t in (carry, args, tail_args))
         stage = jax.lax.axis_index(STAGE)
         first, last = stage == 0, stage == P - 1
@@ -175,11 +212,12 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return inner(layer_fn, p, x, jax.tree.unflatten(a_def, [next(it_f) if d else next(it_r) for d in diff]))
 
         x0 = take(carry_M, 0)
-        per_mb, vjp_of, kept_avals = _residual_split(fwd, params_k, x0, *parts(take(args_M, 0)))
+        per_mb, once_of, rebuild, kept_avals = _residual_split(fwd, chunk(chunks, 0), x0, *parts(take(args_M, 0)))
+        once = [jnp.stack(leaves) for leaves in zip(*(once_of(chunk(chunks, v)) for v in range(V)))]
 
-        def forward(x, af, ar):
-            y, vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, ar), params_k, x, af)
-            return y, [r for r, v in zip(jax.tree.leaves(vjp), per_mb) if v]
+        def forward(x, af, ar, v):
+            y, vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, ar), chunk(chunks, v), x, af)
+            return y, [r for r, keep in zip(jax.tree.leaves(vjp), per_mb) if keep]
 
         def tail_grad(y, ta):
             (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(
@@ -187,41 +225,46 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             as_f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
             return (as_f32(loss), jax.tree.map(as_f32, metrics)), d_tail, dy
 
-        def backward(d_params, kept, dy):
-            dp, dx, da = vjp_of(kept)(dy)
-            return jax.tree.map(jnp.add, d_params, dp), dx, da
+        def backward(kept, dy, v):
+            return rebuild(chunk(once, v), kept)(dy)
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
 
         def tick(state, t):
-            handed_y, handed_dy, ring, (d_params, d_tail, d_carry, d_args, reported) = state
-            f, b = t - stage, t - (2 * P - 2 - stage)
-            f_ok, b_ok = (f >= 0) & (f < M), (b >= 0) & (b < M)
-            fm, bm = jnp.clip(f, 0, M - 1), jnp.clip(b, 0, M - 1)
-            x = jax.tree.map(lambda own, h: jnp.where(first, own, h), take(carry_M, fm), handed_y)
+            handed_y, handed_dy, ring, (d_chunks, d_tail, d_carry, d_args, reported) = state
+            f, b = t - stage, t - schedule.backward_lag(stage)
+            f_ok, b_ok = (f >= 0) & (f < units), (b >= 0) & (b < units)
+            f, b = jnp.clip(f, 0, units - 1), jnp.clip(b, 0, units - 1)
+            (fm, fv), (bm, back) = schedule.unit(f), schedule.unit(b)
+            bv = V - 1 - back
+            b_slot = b - b % (P * V) + bv * P + b % P  # the forward unit of the backward's (micro-batch, round)
+            x = jax.tree.map(lambda own, h: jnp.where(first & (fv == 0), own, h), take(carry_M, fm), handed_y)
             af, ar = parts(take(args_M, fm))
             with jax.named_scope(BRANCH_SCOPE.format("forward")):
-                y, kept = jax.lax.cond(f_ok, forward, _zeros_of(forward, x, af, ar), x, af, ar)
-            ring = [r.at[fm % slots].set(jnp.where(f_ok, k, r[fm % slots])) for r, k in zip(ring, kept)]
+                y, kept = jax.lax.cond(f_ok, forward, _zeros_of(forward, x, af, ar, fv), x, af, ar, fv)
+            slot = jnp.where(f_ok, f % slots, slots)  # the spare slot past the ring takes a bubble tick's
+            ring = [jax.lax.dynamic_update_index_in_dim(r, k, slot, 0) for r, k in zip(ring, kept)]
             ta = take(tail_args_M, fm)
             with jax.named_scope(BRANCH_SCOPE.format("tail")):
-                l, dt, dy_tail = jax.lax.cond(last & f_ok, tail_grad, _zeros_of(tail_grad, y, ta), y, ta)
-            dy = jax.tree.map(lambda own, h: jnp.where(last, own, h), dy_tail, handed_dy)
-            operands = (d_params, [r[bm % slots] for r in ring], dy)
+                l, dt, dy_tail = jax.lax.cond(last & f_ok & (fv == V - 1), tail_grad, _zeros_of(tail_grad, y, ta),
+                                              y, ta)
+            dy = jax.tree.map(lambda own, h: jnp.where(last & (bv == V - 1), own, h), dy_tail, handed_dy)
+            operands = ([r[b_slot % slots] for r in ring], dy, bv)
             with jax.named_scope(BRANCH_SCOPE.format("backward")):
-                d_params, dx, da = jax.lax.cond(b_ok, backward,
-                                                lambda d, *_: (d, *_zeros_of(backward, *operands)()[1:]), *operands)
-            d_carry = jax.tree.map(lambda o, n: o.at[bm].add(jnp.where(first & b_ok, n, 0)), d_carry, dx)
+                dp, dx, da = jax.lax.cond(b_ok, backward, _zeros_of(backward, *operands), *operands)
+            d_chunks = jax.tree.map(lambda d, g: _add_at(d, bv if V > 1 else 0, g), d_chunks, dp)
+            d_carry = jax.tree.map(lambda o, n: o.at[bm].add(jnp.where(first & b_ok & (bv == 0), n, 0)), d_carry, dx)
             d_args = [o.at[bm].add(jnp.where(b_ok, n, 0)) for o, n in zip(d_args, da)]
-            up = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, [(p, p + 1) for p in range(P - 1)]), y)
-            down = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, [(p + 1, p) for p in range(P - 1)]), dx)
-            acc = (d_params, jax.tree.map(jnp.add, d_tail, dt), d_carry, d_args, jax.tree.map(jnp.add, reported, l))
-            return (up, down, ring, acc), None
+            sent_y = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, up), y)
+            sent_dy = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, down), dx)
+            acc = (d_chunks, jax.tree.map(jnp.add, d_tail, dt), d_carry, d_args, jax.tree.map(jnp.add, reported, l))
+            return (sent_y, sent_dy, ring, acc), None
 
-        ring = [jnp.zeros((slots, *a.shape), a.dtype) for a in kept_avals]
-        acc = (zeros(params_k), zeros(tail_params), zeros(carry_M), zeros(parts(args_M)[0]),
+        ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
+        acc = (zeros(chunks), zeros(tail_params), zeros(carry_M), zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (zeros(x0), zeros(x0), ring, acc), jnp.arange(schedule.ticks))
-        return _reduced(acc, summed)
+        d_chunks, *rest = acc
+        return _reduced((*to_contiguous(d_chunks), *rest), summed)
 
     return local

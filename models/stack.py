@@ -142,7 +142,7 @@ class LayerStack(nn.Module):
         gather = self._whole_along_embed(layer, carry, args) if self.spec.weights_once else None
         return pipeline_loss_1f1b(self._layer_fn(layer), nn.meta.unbox(dict(self.variables["params"])), carry, args,
                                   tail, tail_params, tail_args, extra, self.spec.microbatches, inner=scan_layers,
-                                  gather=gather)
+                                  gather=gather, virtual_stages=self.spec.virtual_stages)
 
     def _layer_fn(self, layer: nn.Module) -> LayerFn:
         """The pure `(params_i, carry, *args) -> carry` of one layer, hooked and rematerialized

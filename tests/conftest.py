@@ -138,14 +138,15 @@ def check_pass(program, topology=None, options=None, *, reference: bool = True, 
 # The test files that take longest, longest first, as measured in a two-worker run (docs/tests.md).
 # `--dist loadfile` hands each worker the next file when it finishes one; a long file handed out
 # last runs alone on one core while the other idles, so the long ones go first. (Ordered by the
-# run of 2026-12-04 15:30, with the two-process jobs' later cut; docs/tests.md.)
+# `--durations=0` run of 2026-12-06 01:29, each file's tests summed.)
 LONGEST_FILES = (
-    "test_faults.py", "test_verify.py", "test_plan.py", "test_hierarchical_grads.py", "test_cli.py", "test_ulysses.py",
-    "test_hlo.py", "test_analyze.py", "test_stack.py", "test_checkpoint_train.py", "test_checkpoint_process.py",
-    "test_remat.py", "test_layout.py", "test_pipeline_parallel.py", "test_train_process.py", "test_api.py", "test_trainable.py", "test_sequence_parallel.py",
-    "test_resnet.py", "test_attention.py", "test_attention_work.py", "test_pipeline.py", "test_vit.py",
-    "test_sample_cosmos.py", "test_collective_matmul.py", "test_loss_scale.py", "test_generate_sharded.py",
-    "test_loader.py",
+    "test_pipeline_parallel.py", "test_faults.py", "test_stack.py", "test_verify.py", "test_hlo.py", "test_cli.py",
+    "test_trainable.py", "test_layout.py", "test_resnet.py", "test_plan.py", "test_checkpoint_train.py",
+    "test_attention.py", "test_attention_work.py", "test_remat.py", "test_analyze.py", "test_pipeline.py",
+    "test_train_process.py", "test_sequence_parallel.py", "test_hierarchical_grads.py", "test_api.py",
+    "test_ulysses.py", "test_collective_matmul.py", "test_compile_cache.py", "test_checkpoint_process.py",
+    "test_generate_sharded.py", "test_sample_cosmos.py", "test_loader.py", "test_vit.py", "test_loss_scale.py",
+    "test_interop.py", "test_calibrate.py", "test_pipeline_1f1b.py", "test_fp8.py", "test_local_tier.py",
 )
 
 

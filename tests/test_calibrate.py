@@ -402,8 +402,9 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     assert by_id["X7"]["method"] == "compiled" and by_id["X7"]["approximations"][0].startswith(
         "3 layers compiled as 4 (2 on each of 2 equal stages")
     assert by_id["X7"]["approximations"][1].startswith(
-        "pipeline compiled as xlaopt's SPMD GPipe loop over 2 virtual stages (the row's interleaved 1F1B over as "
-        "many has the same bubble): the bubble is 1 of 2 x 4 + 1 ticks")
+        "pipeline compiled as xlaopt's SPMD interleaved 1F1B loop over 2 virtual stages (the row's schedule, its "
+        "forward and backward ticks in lockstep): the bubble is 1 of 2 x 4 + 1 ticks of 1/2 of a stage's layers, at "
+        "most 7 such ticks' activations held")
     assert by_id["X3"]["method"] == "compiled" and by_id["X3"]["approximations"] == [
         "fp8 with per-tensor current scaling (the row's: fp8)"]
     assert "needs Hopper" in by_id["X4"]["reason"]

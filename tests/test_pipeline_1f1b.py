@@ -26,33 +26,41 @@ from xlaopt.program import TrainProgram, TrainSettings
 from conftest import needs_devices
 
 
-@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 4)])
-def test_each_microbatch_runs_forward_then_backward_and_a_stage_keeps_at_most_2p_minus_1(stages, microbatches):
-    """Micro-batch m's forward on stage p at tick m + p, its backward at m + 2P - 2 - p: each
-    stage runs every forward and every backward once, a backward after its forward and after the
-    next stage's backward of it; stage p keeps 2(P - 1 - p) + 1 at most, min(M, 2P - 1) on stage
-    0 (GPipe: every tick's); the busiest stage's work per tick runs forwards alone for P - 1
-    ticks and backwards alone for the last P - 1, so the bubble is GPipe's."""
-    P, M = stages, microbatches
-    s = PipelineSchedule(P, M, "1f1b")
-    assert s.ticks == M + 2 * P - 2
-    fwd = {(p, t): t - p for p in range(P) for t in range(s.ticks) if 0 <= t - p < M}
-    bwd = {(p, t): t - (2 * P - 2 - p) for p in range(P) for t in range(s.ticks) if 0 <= t - (2 * P - 2 - p) < M}
-    for p in range(P):
-        assert sorted(m for (q, _), m in fwd.items() if q == p) == list(range(M))
-        assert sorted(m for (q, _), m in bwd.items() if q == p) == list(range(M))
-        for m in range(M):
-            f = next(t for (q, t), n in fwd.items() if (q, n) == (p, m))
-            b = next(t for (q, t), n in bwd.items() if (q, n) == (p, m))
-            assert b >= f and (p == P - 1 or b == 1 + next(t for (q, t), n in bwd.items() if (q, n) == (p + 1, m)))
-    held = max(sum(1 for m in range(M) if m + 0 <= t <= m + 2 * P - 2) for t in range(s.ticks))
-    assert held == s.saved_ticks == min(M, 2 * P - 1) < PipelineSchedule(P, M).saved_ticks
+@pytest.mark.parametrize("stages,microbatches,virtual", [(2, 4, 1), (4, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 3)])
+def test_each_microbatch_runs_forward_then_backward_and_a_stage_keeps_at_most_2p_minus_1(stages, microbatches,
+                                                                                           virtual):
+    """Every stage runs every (micro-batch, round)'s forward and backward once. A forward follows
+    the previous stage's forward of it a tick later (the last stage's previous round, round the
+    ring); a backward follows the next stage's backward of it (the first stage's next round), and
+    the last round's starts on the last stage in the tick of its forward, after the tail. Without
+    virtual stages: micro-batch m forward on stage p at tick m + p, backward at m + 2P - 2 - p,
+    at most min(M, 2P - 1) held, GPipe's every tick. Over V rounds: (V + 1) P - 1 chunks held at
+    most, within the ring's 2VP - 1 slots. The busiest stage's work per tick runs forwards alone
+    for VP - 1 ticks and backwards alone for the last VP - 1, so the bubble is GPipe's over as
+    many virtual stages."""
+    P, M, V = stages, microbatches, virtual
+    s = PipelineSchedule(P, M, "1f1b", V)
+    assert s.ticks == V * M + V * P + P - 2
+    fwd = {(p, *s.forward_at(p, t)): t for p in range(P) for t in range(s.ticks) if s.forward_at(p, t)}
+    bwd = {(p, *s.backward_at(p, t)): t for p in range(P) for t in range(s.ticks) if s.backward_at(p, t)}
+    assert sorted(fwd) == sorted(bwd) == [(p, m, v) for p in range(P) for m in range(M) for v in range(V)]
+    for (p, m, v), t in fwd.items():
+        before = (p - 1, m, v) if p else (P - 1, m, v - 1) if v else None
+        assert before is None or fwd[before] == t - 1
+        if V == 1:
+            assert (t, bwd[p, m, v]) == (m + p, m + 2 * P - 2 - p)
+    for (p, m, v), t in bwd.items():
+        after = (p + 1, m, v) if p < P - 1 else (0, m, v + 1) if v < V - 1 else None
+        assert bwd[after] == t - 1 if after else t == fwd[p, m, v]
+    held = max(sum(1 for (q, m, v), f in fwd.items() if q == p and f <= t <= bwd[q, m, v])
+               for p in range(P) for t in range(s.ticks))
+    assert held == (min(M, 2 * P - 1) if V == 1 else (V + 1) * P - 1)
+    assert held <= s.saved_ticks == min(V * M, 2 * V * P - 1) < PipelineSchedule(P, M, virtual_stages=V).saved_ticks
     for t in range(s.ticks):
-        assert s.taken_at(t) == {"forward": any((p, t) in fwd for p in range(P)),
-                                 "tail": (P - 1, t) in fwd, "backward": any((p, t) in bwd for p in range(P))}
-    assert s.bubble_fraction == PipelineSchedule(P, M).bubble_fraction == (P - 1) / (M + P - 1)
-    with pytest.raises(ValueError, match="interleaved 1F1B, not built yet"):
-        PipelineSchedule(P, M, "1f1b", virtual_stages=2)
+        assert s.taken_at(t) == {"forward": any(f == t for f in fwd.values()),
+                                 "tail": any(f == t and (p, v) == (P - 1, V - 1) for (p, _, v), f in fwd.items()),
+                                 "backward": any(b == t for b in bwd.values())}
+    assert s.bubble_fraction == PipelineSchedule(P, M, virtual_stages=V).bubble_fraction == (P - 1) / (V * M + P - 1)
 
 
 L, B, T, D = 8, 16, 2, 6
@@ -69,12 +77,14 @@ def _tail(head_DC, y_BTD, targets_BT, scale):
 
 
 @needs_devices(8)
-@pytest.mark.parametrize("mesh,microbatches", [("stage=4,data=2", 8), ("stage=2,data=2,fsdp=2", 4)])
-def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_slots(mesh, microbatches):
+@pytest.mark.parametrize("mesh,microbatches,virtual", [("stage=4,data=2", 8, 1), ("stage=2,data=2,fsdp=2", 4, 2)])
+def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_slots(mesh, microbatches, virtual):
     """A stack of 8 small layers (a float and an integer argument beside the carry) and a tail:
     the 1F1B loop's loss, a metric the tail reports, and the gradients (weights, tail, carry,
-    float argument) equal the unpipelined ones; its one tick loop of M + 2P - 2 trips keeps each residual in min(M, 2P - 1)
-    slots, never one per micro-batch or per tick."""
+    float argument) equal the unpipelined ones, without virtual stages and over two (interleaved
+    1F1B: chunks of 2 layers, the weights reordered into round order and their gradients back).
+    Its one tick loop of V M + VP + P - 2 trips keeps each residual of a chunk in min(V M, 2VP - 1)
+    slots (2P - 1 without virtual stages) and a spare, never one per micro-batch or per tick."""
     sizes = dict((a, int(n)) for a, n in (kv.split("=") for kv in mesh.split(",")))
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -87,7 +97,7 @@ def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_
     def pipelined(w, head, x, s):
         with rows_split_over(tuple(a for a in sizes if a != "stage") + ("stage",)):
             return pipeline_loss_1f1b(_layer, w, x, (s, ids), _tail, head, targets, jnp.float32(1.0 / B),
-                                      microbatches, inner=scan_layers)
+                                      microbatches, inner=scan_layers, virtual_stages=virtual)
 
     want = jax.value_and_grad(unpipelined, argnums=(0, 1, 2, 3), has_aux=True)(w, head, x, s)
     mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
@@ -102,13 +112,16 @@ def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg=name)
 
     P = sizes["stage"]
-    schedule = PipelineSchedule(P, microbatches, "1f1b")
+    schedule, chunk = PipelineSchedule(P, microbatches, "1f1b", virtual), L // P // virtual
     rows = B // sizes.get("data", 1) // microbatches  # per micro-batch on a data rank
-    saved = f"f32[{schedule.saved_ticks},{L // P},{rows},{T},{D}]"  # [slots, a stage's layers, rows, T, D]
+    # [slots and a spare for the bubble's writes, a chunk's layers, rows, T, D]: the only
+    # residual buffers, in the one tick loop and in no other loop
+    saved = rf"f32\[(\d+),{chunk},{rows},{T},{D}\]"
     states = [m.group(1) for m in re.finditer(r"= \(([^)]*)\) while\(", text)]
     ticking = [st for st in states if f"s32[{schedule.ticks}]" in st]
-    assert len(ticking) == 1 and saved in ticking[0], ticking
-    assert not any(f"f32[{n},{L // P},{rows},{T},{D}]" in st for st in states for n in (microbatches, schedule.ticks))
+    assert len(ticking) == 1 and {int(n) for n in re.findall(saved, ticking[0])} == {schedule.saved_ticks + 1}, \
+        ticking
+    assert not any(re.search(saved, st) for st in states if st is not ticking[0])
 
 
 @needs_devices(8)
@@ -135,7 +148,10 @@ def test_the_compiled_decoder_step_sends_both_ways_each_tick_and_prices_the_busi
     text = compile_program(laid).train_step.as_text()
     result = analyze(laid, parse_topology("cpu:1x8"))
     p = result["pipeline"]
-    assert len(p["tick_loops"]) == 1 and p["bubble_s"] == pytest.approx(p["tick_loops_s"] / 5)
+    # The bubble: P - 1 of M + P - 1 stage times of the loop, its tail (4 of them, one a
+    # micro-batch, in none of the bubble's ticks) taken out first.
+    assert len(p["tick_loops"]) == 1 and 0 < p["tail_s"] < p["tick_loops_s"]
+    assert p["bubble_s"] == pytest.approx((p["tick_loops_s"] - p["tail_s"]) / 5)
     assert ("pipeline: 1f1b, 2 stages x 4 micro-batches: 6 ticks, the bubble 20.0% of each device's time; a stage "
             "holds at most 3 ticks' activations") in format_analysis(result)
 

@@ -72,14 +72,22 @@ def test_the_analytic_price_follows_the_spmd_loop():
     assert one_f_one_b.pipeline_bubble_s == pytest.approx(megatron.pipeline_bubble_s)
     assert one_f_one_b.compute_s == pytest.approx(megatron.compute_s)
     assert one_f_one_b.pp_send_s == pytest.approx(2 * (M + 2 * P - 2) * per_send)
-    # and it holds min(M, 2P - 1) micro-batches' saves against GPipe's M + P - 1 ticks'.
+    # Interleaved over 2 virtual stages: half the bubble, a send each way after each of
+    # 2M + 2P + P - 2 ticks, and the weights reordered as GPipe's rounds reorder them.
+    interleaved = price(dataclasses.replace(layout, virtual_stages=2), pipeline="spmd-1f1b")
+    assert interleaved.pipeline_bubble_s == pytest.approx(one_f_one_b.pipeline_bubble_s / 2)
+    assert interleaved.pp_send_s == pytest.approx(2 * (2 * M + 3 * P - 2) * per_send + 2 * reorder)
+    # and it holds min(M, 2P - 1) micro-batches' saves against GPipe's M + P - 1 ticks'; over V
+    # virtual stages min(VM, 2VP - 1) chunks of 1 / V of a stage's layers.
     from xlaopt.planning.price import memory_parts
     from xlaopt.planning.space import Candidate
 
     eight_rows = BatchShape(64, 4096, 0)  # 8 micro-batches of one row on each of 8 FSDP ranks
-    saved = {name: memory_parts(Candidate(1, 8, 1, 1, remat="full", micro_batches=8, pp=P, schedule=name), shape,
-                                eight_rows, dense_attention=False)["saved"] for name in ("gpipe", "1f1b")}
-    assert saved["1f1b"] / saved["gpipe"] == pytest.approx(min(8, 2 * P - 1) / (8 + P - 1))
+    saved = {(name, v): memory_parts(Candidate(1, 8, 1, 1, remat="full", micro_batches=8, pp=P, schedule=name,
+                                               virtual_stages=v), shape, eight_rows, dense_attention=False)["saved"]
+             for name in ("gpipe", "1f1b") for v in (1, 2)}
+    assert saved["1f1b", 1] / saved["gpipe", 1] == pytest.approx(min(8, 2 * P - 1) / (8 + P - 1))
+    assert saved["1f1b", 2] / saved["1f1b", 1] == pytest.approx(min(2 * 8, 4 * P - 1) / 2 / min(8, 2 * P - 1))
 
 
 def test_gpipe_runs_each_microbatch_on_each_stage_once_in_order():
@@ -154,9 +162,15 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
         dataclasses.replace(PIPELINE, pipeline_microbatches=8, pipeline_schedule="1f1b"), None, set()),
     # Cosmos 3's tail: both final norms, the text head and the generator's outputs, the four
     # loss terms; the generator's output weights whole in the tail (split, XLA:CPU hung here).
-    "cosmos3-1f1b-fsdp-tensor": (get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2", None,
-                                 dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b"),
-                                 None, set()),
+    # Interleaved 1F1B: two rounds of the ring, chunks of one layer.
+    "cosmos3-interleaved-1f1b-fsdp-tensor": (
+        get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2", None,
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
+        None, set()),
+    "llama-interleaved-1f1b-data-tensor": (
+        get_config("llama-tiny"), "stage=2,data=2,tensor=2", BatchShape(8, 32, 0),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
+        None, set()),
     "llama-1f1b-fsdp-tensor-weights-once": (
         get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),

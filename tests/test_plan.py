@@ -80,9 +80,10 @@ def test_space_holds_pipeline_stages_with_their_micro_batches_and_reasons():
     assert staged[0].mesh.size("stage") == 2 and "+PP2" in staged[0].kind
     assert {c.virtual_stages for c in staged} == {1, 2} and {c.virtual_stages for c in ok if c.pp == 1} == {1}
     assert " pp=2 v=2 " in str(next(c for c in staged if c.virtual_stages == 2))
-    # 1F1B beside GPipe where the family's loss runs inside the stack, without virtual stages.
-    assert {(c.schedule, c.virtual_stages) for c in staged} == {("gpipe", 1), ("gpipe", 2), ("1f1b", 1)}
-    assert " pp=2 1f1b " in str(next(c for c in staged if c.schedule == "1f1b"))
+    # 1F1B beside GPipe where the family's loss runs inside the stack, interleaved over virtual stages.
+    assert {(c.schedule, c.virtual_stages) for c in staged} == {("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2)}
+    assert " pp=2 1f1b " in str(next(c for c in staged if c.schedule == "1f1b" and c.virtual_stages == 1))
+    assert " pp=2 1f1b v=2 " in str(next(c for c in staged if c.schedule == "1f1b" and c.virtual_stages == 2))
     assert not any(c.pp > 1 and c.schedule == "1f1b" for c in enumerate_space(
         get_config("vit-tiny"), BatchShape(16, 64, 0), 16, 8, "dense", ("bfloat16",), stages=(2,))[0])
     reasons = {r.reason for r in rejected}

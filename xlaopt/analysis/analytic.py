@@ -35,9 +35,10 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   1 / v of a stage's layers (the same bubble as interleaved 1F1B), with a send after every
   tick, and the embedding, head and loss outside the stages on each stage's share of the rows,
   so they are off the pipeline's critical path and out of its bubble; its 1F1B loop
-  (`xlaopt.models.pipeline_1f1b`, `Software.pipeline="spmd-1f1b"`) runs m + 2 pp - 2 ticks with
-  a send each way after every one, and the head and loss on the last stage, one micro-batch a
-  tick, as Megatron's 1F1B does (the bubble is then pp - 1 of the last stage's micro-batch times);
+  (`xlaopt.models.pipeline_1f1b`, `Software.pipeline="spmd-1f1b"`) runs v m + v pp + pp - 2
+  ticks of 1 / v of a stage's layers with a send each way after every one, and the head and loss
+  on the last stage, one micro-batch a tick, as Megatron's 1F1B and interleaved 1F1B do (the
+  bubble is then (pp - 1) / v of the last stage's micro-batch times);
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
 - frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
   the backward, its recomputation and its tensor-parallel collectives run on the trained tokens'
@@ -332,15 +333,15 @@ def _head_s(layer: _Layer, shape: DecoderShape, layout: Parallelism, topology: T
 def _pp_send_s(layer: _Layer, stage_weights: float, layout: Parallelism, topology: Topology, software: Software,
                eff: cm.Efficiency) -> float:
     """Pipeline sends: one activation forward and one gradient backward per micro-batch (per
-    tick in the SPMD loop, whose next tick waits on each: V m + pp - 1 ticks with V virtual
-    stages). The SPMD loop with V > 1 also reorders each stage's weights (`stage_weights`
+    tick in the SPMD loops, whose next tick waits on each: GPipe's V m + pp - 1 ticks each way
+    with V virtual stages, 1F1B's V m + V pp + pp - 2). The SPMD loops with V > 1 also reorder each stage's weights (`stage_weights`
     parameters a device holds, fp32) into round order before the ticks and their gradients back
     after them: all but the 1 / pp of the chunks a stage keeps cross to another stage."""
     if layout.pp <= 1:
         return 0.0
-    m = layout.micro_batches
-    spmd = software.pipeline == "spmd"
-    ticks = {"spmd": layout.virtual_stages * m + layout.pp - 1, "spmd-1f1b": m + 2 * layout.pp - 2}
+    m, v = layout.micro_batches, layout.virtual_stages
+    spmd = software.pipeline in ("spmd", "spmd-1f1b")
+    ticks = {"spmd": v * m + layout.pp - 1, "spmd-1f1b": v * m + v * layout.pp + layout.pp - 2}
     sends = ticks.get(software.pipeline, m)
     pp_span = cm.group_span(layout.pp, layout.tp * layout.cp * layout.data, topology.devices_per_node)
     level, link_eff = _level(topology, pp_span, eff)

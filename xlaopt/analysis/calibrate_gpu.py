@@ -18,8 +18,8 @@ A row the GPU target cannot build says why and is priced analytically (`calibrat
 parallel whose heads Ulysses cannot split, a GPU without a target config, an A100 (cuDNN's packed
 attention needs Hopper). Pipeline stages that cannot hold equal layer counts compile with the
 layers padded to a multiple of the stages (`stage_layers`), said among the approximations. A pipelined row
-compiles as xlaopt's SPMD 1F1B loop (the row's 1F1B, its ticks in lockstep), or with virtual stages
-as its GPipe loop over them (interleaved 1F1B's bubble, GPipe's held activations), context parallel as Ulysses on
+compiles as xlaopt's SPMD 1F1B loop (the row's 1F1B, or with virtual stages its interleaved 1F1B; the
+ticks in lockstep), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
 A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
@@ -95,10 +95,11 @@ def approximations(priced) -> list[str]:
         notes.append(f"fp8 with per-tensor current scaling (the row's: {priced.run.precision})")
     if layout.pp > 1 and layout.virtual_stages > 1:
         v, m = layout.virtual_stages, layout.micro_batches
-        notes.append(f"pipeline compiled as xlaopt's SPMD GPipe loop over {v} virtual stages (the row's interleaved "
-                     f"1F1B over as many has the same bubble): the bubble is {layout.pp - 1} of {v} x {m:g} + "
-                     f"{layout.pp - 1} ticks, every tick's activations held, the embedding and head on every "
-                     f"stage's share of the rows")
+        notes.append(f"pipeline compiled as xlaopt's SPMD interleaved 1F1B loop over {v} virtual stages (the row's "
+                     f"schedule, its forward and backward ticks in lockstep): the bubble is {layout.pp - 1} of "
+                     f"{v} x {m:g} + {layout.pp - 1} ticks of 1/{v} of a stage's layers, at most "
+                     f"{min(int(v * m), 2 * v * layout.pp - 1)} such ticks' activations held, the embedding on "
+                     f"every stage")
     elif layout.pp > 1:
         m = layout.micro_batches
         notes.append(f"pipeline compiled as xlaopt's SPMD 1F1B loop (the row's schedule, its forward and backward "
@@ -162,7 +163,7 @@ def compile_gpu_step(priced) -> GpuStep | str:
         execution = dataclasses.replace(execution, layer_stack="pipeline", micro_batches=1,
                                         pipeline_microbatches=int(layout.micro_batches),
                                         pipeline_virtual_stages=layout.virtual_stages,
-                                        pipeline_schedule="1f1b" if layout.virtual_stages == 1 else "gpipe")
+                                        pipeline_schedule="1f1b")
     try:
         config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run))
         program = TrainProgram(config, mesh, rules=rules, target="gpu", execution=execution,

@@ -75,6 +75,8 @@ class Op:
     # A fused attention kernel (cuDNN's custom call) whose FLOPs the caller gave (XLA counts none):
     # priced at fused attention's efficiency, not by the matmul size curve.
     fused_attention: bool = False
+    # The name scope of the `build_schedule(branch_taken=...)` rule whose branch this op ran in.
+    branch: str = ""
 
 
 @dataclasses.dataclass
@@ -87,6 +89,19 @@ class Schedule:
     @property
     def flops(self) -> float:
         return sum(op.flops for op in self.ops)
+
+    def branch_spans(self) -> dict[str, list[tuple[int, int]]]:
+        """{name scope: [first, end) runs of `ops`} for the ops each branch rule chose."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for i, op in enumerate(self.ops):
+            if not op.branch:
+                continue
+            runs = spans.setdefault(op.branch, [])
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return spans
 
     def async_windows(self) -> list[dict]:
         """For each async collective (per instruction, not per execution): the ops the schedule
@@ -180,11 +195,11 @@ def _given_flops(ins: Instruction, custom_call_flops: dict[str, dict[str, float]
                  if tag in scopes and target.group(1) in by_target), None)
 
 
-def _taken_by(attrs: str, branch_taken: dict[str, Callable[[int], bool]]) -> Callable[[int], bool] | None:
-    """The caller's rule for a conditional traced under one of `branch_taken`'s name scopes."""
+def _taken_by(attrs: str, branch_taken: dict[str, Callable[[int], bool]]) -> tuple[str, Callable[[int], bool]] | None:
+    """(name scope, the caller's rule) for a conditional traced under one of `branch_taken`'s scopes."""
     m = _OP_NAME.search(attrs)
     scopes = m.group(1).split("/") if m else ()
-    return next((rule for tag, rule in branch_taken.items() if tag in scopes), None)
+    return next(((tag, rule) for tag, rule in branch_taken.items() if tag in scopes), None)
 
 
 def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
@@ -246,12 +261,14 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
             # (false, true): a boolean predicate's index is 0 or 1
             branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
                 [c for c in (reader.callee(ins, "false_computation"), reader.callee(ins, "true_computation")) if c]
-            rule = _taken_by(ins.attrs, branch_taken or {}) if len(branches) == 2 else None
-            if rule is not None:
-                yield from expand(branches[int(rule(trip))], depth + 1, trip)
-            elif branches:  # by the FLOPs of each branch's loops as well as its own ops
-                heaviest = max(branches, key=lambda b: sum(o.flops for o in expand(b, depth + 1, trip)))
-                yield from expand(heaviest, depth + 1, trip)
+            ruled = _taken_by(ins.attrs, branch_taken or {}) if len(branches) == 2 else None
+            if ruled is not None:
+                tag, rule = ruled
+                yield from (o if o.branch else dataclasses.replace(o, branch=tag)
+                            for o in expand(branches[int(rule(trip))], depth + 1, trip))
+            elif branches:  # by the FLOPs of each branch's loops as well as its own ops, each expanded once
+                expanded = [list(expand(b, depth + 1, trip)) for b in branches]
+                yield from max(expanded, key=lambda branch_ops: sum(o.flops for o in branch_ops))
         else:
             yield op
 

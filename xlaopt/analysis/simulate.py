@@ -77,6 +77,8 @@ class SimResult:
     # Each entry-level loop's time on the compute stream (its first op's start to its last op's
     # end, every wait inside counted), by loop name.
     loop_time_s: dict = dataclasses.field(default_factory=dict)
+    # The same for the ops each branch rule chose (`Schedule.branch_spans`), summed by name scope.
+    branch_time_s: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict:
         d = dataclasses.asdict(self)
@@ -411,7 +413,8 @@ def simulate(schedule: Schedule, topology: Topology, mesh_shape: dict[str, int] 
     program was compiled with XLA's all-reduce kernels on, `hlo_collective_time_s`)."""
     run = _Run(topology, mesh_shape, eff, matmul_dtype, cpu_fixups, keep_timeline, kernels)
     spans = {loop["name"]: loop["ops"] for loop in schedule.loops if "ops" in loop}
-    marks = {i for span in spans.values() for i in span}
+    branches = schedule.branch_spans()
+    marks = {i for span in [*spans.values(), *(r for runs in branches.values() for r in runs)] for i in span}
     clock: dict[int, float] = {}
     for i, op in enumerate(schedule.ops):
         if i in marks:
@@ -422,6 +425,7 @@ def simulate(schedule: Schedule, topology: Topology, mesh_shape: dict[str, int] 
     clock[len(schedule.ops)] = run.tc
     result = run.result(schedule)
     result.loop_time_s = {name: clock.get(end, run.tc) - clock.get(first, run.tc) for name, (first, end) in spans.items()}
+    result.branch_time_s = {tag: sum(clock[end] - clock[first] for first, end in runs) for tag, runs in branches.items()}
     return result
 
 

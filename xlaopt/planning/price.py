@@ -140,11 +140,12 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
     tokens = rows * row_len / c.cp  # this device's tokens in one micro-batch
     # GPipe's loop keeps every tick's saves to its backward (`PipelineSchedule.saved_ticks`, each
     # tick 1 / V of the stage's layers), and the head runs after it on the stage's share of all
-    # micro-batches' rows; 1F1B's keeps min(M, 2P - 1) micro-batches' and runs the head on one
-    # micro-batch a tick.
+    # micro-batches' rows; 1F1B's keeps min(V M, 2VP - 1) chunks' (min(M, 2P - 1) micro-batches'
+    # without virtual stages) and runs the head on one micro-batch a tick.
     gpipe = c.pp > 1 and c.schedule != "1f1b"
-    held = (c.micro_batches + (c.pp - 1) / c.virtual_stages if gpipe else
-            min(c.micro_batches, 2 * c.pp - 1) if c.pp > 1 else 1)
+    v = c.virtual_stages
+    held = (c.micro_batches + (c.pp - 1) / v if gpipe else
+            min(v * c.micro_batches, 2 * v * c.pp - 1) / v if c.pp > 1 else 1)
     head_tokens = tokens * c.micro_batches / c.pp if gpipe else tokens
     formula = saved_per_token_layer(shape, c.tp, compute, c.sequence_parallel)
     saved = formula
@@ -172,7 +173,7 @@ def memory_parts(c: Candidate, shape: analytic.DecoderShape, batch: BatchShape, 
         "working": (layer_working * tokens + (4.0 + compute) * head_tokens * logits_fraction * shape.vocab / c.tp
                     + attention_logits),
     }
-    if c.pp > 1:  # the stage's input and output, all micro-batches of them (and between rounds, stage 0's)
-        buffers = 2.0 if c.virtual_stages == 1 else 3.0
+    if c.pp > 1:  # the stage's input and output, all micro-batches of them (and between GPipe's rounds, stage 0's)
+        buffers = 3.0 if gpipe and c.virtual_stages > 1 else 2.0
         parts["pipeline_buffers"] = buffers * compute * shape.d_model * tokens * c.micro_batches
     return parts

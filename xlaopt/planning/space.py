@@ -68,7 +68,7 @@ class Candidate:
     pp: int = 1  # pipeline stages; with pp > 1, micro_batches are the pipeline's (`xlaopt.models.pipeline`)
     weights_once: bool = False  # pp > 1 with FSDP: each stage's weights gathered once a step, not per tick
     virtual_stages: int = 1  # pp > 1: rounds of the ring, a stage's layers in this many chunks
-    schedule: str = "gpipe"  # pp > 1: `xlaopt.models.pipeline.SCHEDULES` (1f1b: virtual stages 1)
+    schedule: str = "gpipe"  # pp > 1: `xlaopt.models.pipeline.SCHEDULES` (1f1b over virtual stages: interleaved)
     sharded_optimizer: bool = False  # dp > 1: ZeRO-1, the moments split over the replicas too
 
     @property
@@ -182,12 +182,13 @@ def _virtual_stages(config, pp: int, stacked: bool) -> list[int]:
 
 def _schedules(config, pp: int, stacked: bool) -> list[tuple[str, int]]:
     """(schedule, virtual stages) tried on `pp` stages: GPipe over each virtual stage count, and
-    1F1B (no virtual stages: interleaved 1F1B is not built) where the family's loss can run
-    inside the layer stack."""
+    1F1B over each (interleaved 1F1B where more than one) where the family's loss can run inside
+    the layer stack."""
     from xlaopt.families import family_of
 
-    tried = [("gpipe", v) for v in _virtual_stages(config, pp, stacked)]
-    return tried + [("1f1b", 1)] if pp > 1 and stacked and family_of(config).loss_in_stack else tried
+    counts = _virtual_stages(config, pp, stacked)
+    one_f_one_b = pp > 1 and stacked and family_of(config).loss_in_stack
+    return [("gpipe", v) for v in counts] + ([("1f1b", v) for v in counts] if one_f_one_b else [])
 
 
 def _pipeline_reason(c: Candidate, config, batch: BatchShape, stacked: bool) -> str:
