@@ -106,6 +106,14 @@ class PipelineSchedule:
         P, PV = self.stages, self.stages * self.virtual_stages
         return i // PV * P + i % P, i % PV // P
 
+    def backward_unit(self, i):
+        """1F1B: (micro-batch, round, the forward unit that kept its residuals) of a stage's i-th
+        backward (i = tick - `backward_lag`); ints or traced integers."""
+        P, PV = self.stages, self.stages * self.virtual_stages
+        m, back = self.unit(i)
+        v = self.virtual_stages - 1 - back
+        return m, v, i - i % PV + v * P + i % P
+
     def backward_lag(self, stage):
         """1F1B: the ticks by which `stage`'s backward units trail its forward ones' ticks (its
         forward unit i runs at tick i + stage): the last stage runs a micro-batch's last-round
@@ -120,10 +128,7 @@ class PipelineSchedule:
     def backward_at(self, stage: int, tick: int) -> tuple[int, int] | None:
         """1F1B: (micro-batch, round) whose backward `stage` runs at `tick`, None where none."""
         i = tick - self.backward_lag(stage)
-        if not 0 <= i < self.virtual_stages * self.microbatches:
-            return None
-        m, back = self.unit(i)
-        return m, self.virtual_stages - 1 - back
+        return self.backward_unit(i)[:2] if 0 <= i < self.virtual_stages * self.microbatches else None
 
     def work_at(self, stage: int, tick: int) -> tuple[int, int] | None:
         """(micro-batch, round) `stage` runs at forward `tick`, None in the bubble."""

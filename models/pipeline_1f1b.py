@@ -157,6 +157,27 @@ def _zeros_of(fn: Callable, *operands) -> Callable:
     return lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _in_chunks(params_k, stages: int, V: int):
+    """(chunks, chunk, to_contiguous): this stage's weights as [V, k / V, ...] chunks in round
+    order (`pipeline._to_round_order`; [1, k, ...] without virtual stages), `chunk(tree, v)` the
+    v-th of them (of any tree stacked so), and the transpose that takes the chunks' gradients
+    back to the stage's contiguous layers."""
+    def to_chunks(w):
+        return jax.tree.map(lambda x: _to_round_order(x, stages, V).reshape(V, x.shape[0] // V, *x.shape[1:])
+                            if V > 1 else x[None], w)
+
+    chunks, to_contiguous = jax.vjp(to_chunks, params_k)
+
+    def chunk(tree, v):  # without virtual stages a static index: the one chunk is the stage's weights
+        return jax.tree.map(lambda x: x[v if V > 1 else 0], tree)
+
+    return chunks, chunk, to_contiguous
+
+
 def _add_at(d, i, g):
     """`d[i] += g` by a dynamic slice and update, in place. As a scatter-add (`d.at[i].add`), XLA's
     partitioner lost the accumulator's tensor split on the GPU target and all-reduced the
@@ -188,15 +209,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
     down = [(b, a) for a, b in up]
 
     def local(params_k, tail_params, carry, args, tail_args, extra):
-        if gather is not None:
-            params_k = gather(params_k)
-        # [V, k / V, ...]: this stage's chunks in round order (`pipeline._to_round_order`); the
-        # gradients go back through its transpose after the ticks.
-        chunks, to_contiguous = jax.vjp(lambda w: jax.tree.map(
-            lambda x: _to_round_order(x, P, V).reshape(V, x.shape[0] // V, *x.shape[1:]) if V > 1 else x[None], w),
-            params_k)
-        chunk = (lambda tree, v: jax.tree.map(lambda x: x[v], tree)) if V > 1 else (  # noqa: E731
-            lambda tree, v: jax.tree.map(lambda x: x[0], tree))
+        chunks, chunk, to_contiguous = _in_chunks(gather(params_k) if gather is not None else params_k, P, V)
         carry_M, args_M, tail_args_M = (jax.tree.map(split, t) for t in (carry, args, tail_args))
         stage = jax.lax.axis_index(STAGE)
         first, last = stage == 0, stage == P - 1
@@ -228,16 +241,12 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
         def backward(kept, dy, v):
             return rebuild(chunk(once, v), kept)(dy)
 
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
-
         def tick(state, t):
             handed_y, handed_dy, ring, (d_chunks, d_tail, d_carry, d_args, reported) = state
             f, b = t - stage, t - schedule.backward_lag(stage)
             f_ok, b_ok = (f >= 0) & (f < units), (b >= 0) & (b < units)
             f, b = jnp.clip(f, 0, units - 1), jnp.clip(b, 0, units - 1)
-            (fm, fv), (bm, back) = schedule.unit(f), schedule.unit(b)
-            bv = V - 1 - back
-            b_slot = b - b % (P * V) + bv * P + b % P  # the forward unit of the backward's (micro-batch, round)
+            (fm, fv), (bm, bv, b_slot) = schedule.unit(f), schedule.backward_unit(b)
             x = jax.tree.map(lambda own, h: jnp.where(first & (fv == 0), own, h), take(carry_M, fm), handed_y)
             af, ar = parts(take(args_M, fm))
             with jax.named_scope(BRANCH_SCOPE.format("forward")):
@@ -261,9 +270,9 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return (sent_y, sent_dy, ring, acc), None
 
         ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
-        acc = (zeros(chunks), zeros(tail_params), zeros(carry_M), zeros(parts(args_M)[0]),
+        acc = (_zeros(chunks), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
-        (_, _, _, acc), _ = jax.lax.scan(tick, (zeros(x0), zeros(x0), ring, acc), jnp.arange(schedule.ticks))
+        (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         d_chunks, *rest = acc
         return _reduced((*to_contiguous(d_chunks), *rest), summed)
 

@@ -52,6 +52,8 @@ def test_each_microbatch_runs_forward_then_backward_and_a_stage_keeps_at_most_2p
     for (p, m, v), t in bwd.items():
         after = (p + 1, m, v) if p < P - 1 else (0, m, v + 1) if v < V - 1 else None
         assert bwd[after] == t - 1 if after else t == fwd[p, m, v]
+        # the slot a backward reads: the unit its forward wrote (forward unit i at tick i + p)
+        assert s.backward_unit(t - s.backward_lag(p)) == (m, v, fwd[p, m, v] - p)
     held = max(sum(1 for (q, m, v), f in fwd.items() if q == p and f <= t <= bwd[q, m, v])
                for p in range(P) for t in range(s.ticks))
     assert held == (min(M, 2 * P - 1) if V == 1 else (V + 1) * P - 1)

@@ -67,9 +67,11 @@ def test_the_analytic_price_follows_the_spmd_loop():
     reorder = cm.send_time_s(4 * 16 * shape.layer_params / 8 / 2, h100.levels[-1], cm.FITTED.network)
     assert two.pp_send_s == pytest.approx(2 * (2 * M + P - 1) * per_send + 2 * reorder)
     # 1F1B's loop: the head on the last stage, one micro-batch a tick, as Megatron's (so its
-    # bubble and compute are Megatron's), a send each way after each of M + 2P - 2 ticks.
+    # compute is Megatron's) but in none of the bubble's ticks (so its bubble is GPipe's), a
+    # send each way after each of M + 2P - 2 ticks.
     one_f_one_b = price(pipeline="spmd-1f1b")
-    assert one_f_one_b.pipeline_bubble_s == pytest.approx(megatron.pipeline_bubble_s)
+    assert one_f_one_b.pipeline_bubble_s == pytest.approx(spmd.pipeline_bubble_s)
+    assert one_f_one_b.pipeline_bubble_s == pytest.approx(megatron.pipeline_bubble_s - (P - 1) * head_s)
     assert one_f_one_b.compute_s == pytest.approx(megatron.compute_s)
     assert one_f_one_b.pp_send_s == pytest.approx(2 * (M + 2 * P - 2) * per_send)
     # Interleaved over 2 virtual stages: half the bubble, a send each way after each of

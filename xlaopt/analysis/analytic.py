@@ -37,8 +37,9 @@ overlap scheme), the step is built up per layer and per micro-batch on one GPU:
   so they are off the pipeline's critical path and out of its bubble; its 1F1B loop
   (`xlaopt.models.pipeline_1f1b`, `Software.pipeline="spmd-1f1b"`) runs v m + v pp + pp - 2
   ticks of 1 / v of a stage's layers with a send each way after every one, and the head and loss
-  on the last stage, one micro-batch a tick, as Megatron's 1F1B and interleaved 1F1B do (the
-  bubble is then (pp - 1) / v of the last stage's micro-batch times);
+  on the last stage, one micro-batch a tick, as Megatron's 1F1B and interleaved 1F1B do; its
+  bubble is (pp - 1) / v micro-batch times of a stage without the head, which runs in none of the
+  bubble's ticks (Megatron's is priced by the last stage's, head included);
 - optimizer: AdamW reads and writes ~30 bytes per parameter it owns, memory-bound;
 - frozen parameters (`DecoderShape.frozen_*`, Cosmos 3's reasoner under `--trainable generator`):
   the backward, its recomputation and its tensor-parallel collectives run on the trained tokens'
@@ -427,7 +428,10 @@ def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, sof
     stage_compute_s = layers_per_stage * (layer.fwd_s + layer.bwd_s) + (0.0 if head_outside else head_s)
     stage_exposed_s = layers_per_stage * (tp_exp + cp_exp + fsdp_exp_layer) + fsdp_first
     stage_mb_s = stage_compute_s + stage_exposed_s
-    bubble_s = (layout.pp - 1) / layout.virtual_stages * stage_mb_s if layout.pp > 1 else 0.0
+    # 1F1B's lockstep ticks run the head once a micro-batch and in none of the bubble's ticks
+    # (`PipelineSchedule.taken_at`); Megatron's bubble is priced by its slowest, last stage.
+    bubble_stage_s = stage_mb_s - (head_s if software.pipeline == "spmd-1f1b" else 0.0)
+    bubble_s = (layout.pp - 1) / layout.virtual_stages * bubble_stage_s if layout.pp > 1 else 0.0
 
     # Data-parallel gradient sync and the optimizer, once per step. The SPMD loop keeps the
     # embedding and head whole on every stage; Megatron puts them on the first and last.
