@@ -119,7 +119,7 @@ def analyze_with_sim(program: TrainProgram, topology: Topology, target: str | No
         "fill": work.fill,
         "attention": _attention_json(program, target, work),
         "attention_pairs_executed_over_needed": work.pairs_executed_over_needed,
-        "pipeline": _pipeline_json(program, schedule.loops, sim, sim.step_time_s),
+        "pipeline": _pipeline_json(program, schedule.loops, sim),
         "compute_dtype": dtype,
         "matmuls": program.execution.matmuls,  # "fp8": the projections' (MFU stays against the dtype's peak)
         "fp8_gemms": fp8_gemms(text),  # GEMMs on fp8 operands in the compiled step (`hlo.fp8_gemms`)
@@ -168,11 +168,10 @@ def branches_taken(program: TrainProgram) -> dict:
     return schedule.branches_taken() if schedule is not None else {}
 
 
-def _pipeline_json(program: TrainProgram, loops: list[dict], sim, step_s: float) -> dict | None:
+def _pipeline_json(program: TrainProgram, loops: list[dict], sim) -> dict | None:
     """The pipeline's schedule, what its bubble costs and what a stage holds; None unpipelined.
     As priced: the tick loops (the step's outermost loops of `ticks` trips, forward and backward)
     and a tick's time, forward and backward, so the bubble's P - 1 ticks in seconds."""
-    loop_time_s = sim.loop_time_s
     s = program.pipeline_schedule
     if s is None:
         return None
@@ -185,11 +184,12 @@ def _pipeline_json(program: TrainProgram, loops: list[dict], sim, step_s: float)
         # each, the first and last VP - 1 of them running forwards or backwards alone). 1F1B's
         # tail (head and loss, on the last stage) runs once a micro-batch inside the ticks but in
         # none of the bubble's: it is taken out before the share.
-        loops_s = sum(loop_time_s[name] for name in ticking)
+        loops_s = sum(sim.loop_time_s[name] for name in ticking)
         tail_s = sim.branch_time_s.get(BRANCH_SCOPE.format("tail"), 0.0)
         bubble_s = (loops_s - tail_s) * s.bubble_fraction
         out.update(tick_loops=ticking, tick_loops_s=loops_s, tick_s=loops_s / s.ticks, tail_s=tail_s,
-                   bubble_s=bubble_s, bubble_fraction_of_step=bubble_s / step_s if step_s else None)
+                   bubble_s=bubble_s,
+                   bubble_fraction_of_step=bubble_s / sim.step_time_s if sim.step_time_s else None)
     return out
 
 
