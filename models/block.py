@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
-from xlaopt.models.fp8 import project
+from xlaopt.models.fp8 import project_all
 from xlaopt.models.layers import (
     RESIDUAL_BLD,
     Mlp,
@@ -14,6 +14,7 @@ from xlaopt.models.layers import (
     constrain,
     gathered,
     gathered_gradient,
+    onto_residual_shards,
     param,
     reduce_matmul,
 )
@@ -48,16 +49,17 @@ class TransformerBlock(nn.Module):
         if self.side_key_norm:
             self.side_k_norm = RMSNorm(K, "head_dim", self.norm_eps)
         self.mlp_norm = RMSNorm(D, "embed", self.norm_eps)
-        self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype)
+        self.mlp = Mlp(D, self.mlp_dim, self.mlp_activation, self.dtype, onto_residual_shards)
 
     def qkv(self, x_BLD, cos_BLK=None, sin_BLK=None):
         """Rotated queries and keys (unrotated without a rotary table: models with learned
         positions), values; plus the side keys (`side_key_norm`) or the keys again."""
         h_BLD = checkpoint_name(gathered(self.attn_norm(x_BLD)), remat.ATTENTION_NORM)
-        q_BLHK = checkpoint_name(project("bld,dhk->blhk", h_BLD, self.q_proj_DHK.astype(self.dtype)), remat.QUERY)
-        raw_k_BLNK = checkpoint_name(project("bld,dnk->blnk", h_BLD, self.k_proj_DNK.astype(self.dtype)),
-                                     remat.KEY)
-        v_BLNK = checkpoint_name(project("bld,dnk->blnk", h_BLD, self.v_proj_DNK.astype(self.dtype)), remat.VALUE)
+        q_BLHK, raw_k_BLNK, v_BLNK = project_all(
+            ("bld,dhk->blhk", "bld,dnk->blnk", "bld,dnk->blnk"), h_BLD,
+            tuple(w.astype(self.dtype) for w in (self.q_proj_DHK, self.k_proj_DNK, self.v_proj_DNK)), onto_residual_shards)
+        q_BLHK, raw_k_BLNK, v_BLNK = (checkpoint_name(y, name) for y, name in
+                                      ((q_BLHK, remat.QUERY), (raw_k_BLNK, remat.KEY), (v_BLNK, remat.VALUE)))
         k_BLNK = raw_k_BLNK
         if self.qk_norm:
             q_BLHK, k_BLNK = self.q_norm(q_BLHK), self.k_norm(raw_k_BLNK)

@@ -14,6 +14,14 @@ parameters by default, cuBLASLt's `__cublas$lt$matmul$f8` with Triton GEMMs off)
 quantize-dequantize pair before a bf16 dot is folded away by its excess-precision rewrite
 (`xla_allow_excess_precision`, on by default) and never reaches fp8, which the tests check.
 
+Projections of one input (attention's q, k and v; a gated MLP's gate and up) run as one fused
+projection (`project_all`), as Transformer Engine fuses them into one QKV and one fc1 weight:
+their weights share one scale, and so do their output gradients. E4M3's normal range (2^-6 to
+448, near 2^15) keeps a weight's largest element up to 2^14 below the group's at the format's
+full relative precision. The input
+gradient is then one sum, scaled once, which the partitioner reduces as it reduces the compute
+dtype's (`fp8_einsums`).
+
 Which matmuls run in fp8 is set for a trace (`matmuls_in`), as Transformer Engine's recipe
 context sets it: the attention's q, k, v and output projections and the MLP's; embeddings, the
 head and attention's own matmuls stay in the compute dtype, as in Transformer Engine and
@@ -22,6 +30,8 @@ MaxText's fp8 recipes.
 from __future__ import annotations
 
 import contextvars
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +54,33 @@ def matmuls_in(matmuls: str):
 
 def project(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(equation, x, w)` for a linear projection, in the matmul format of the trace."""
-    return fp8_einsum(equation, x, w) if _MATMULS.get() == "fp8" else jnp.einsum(equation, x, w)
+    return project_all((equation,), x, (w,))[0]
+
+
+def project_all(equations: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...],
+                input_grad: Callable | None = None) -> tuple[jax.Array, ...]:
+    """`einsum(equations[i], x, ws[i])` for each i: the projections one input feeds (attention's
+    q, k and v; a gated MLP's gate and up), in the matmul format of the trace. In fp8 they are one
+    fused projection, as Transformer Engine fuses QKV and fc1 (`fp8_einsums`)."""
+    if _MATMULS.get() == "fp8":
+        return fp8_einsums(tuple(equations), x, tuple(ws), input_grad)
+    return tuple(jnp.einsum(eq, x, w) for eq, w in zip(equations, ws))
 
 
 def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """(x in `dtype`, fp32 scale) with x ~= q * scale and max|x| mapped to the format's largest
     finite value; an all-zero tensor takes scale 1."""
+    (q,), scale = quantize_all((x,), dtype)
+    return q, scale
+
+
+def quantize_all(xs: tuple[jax.Array, ...], dtype) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """`quantize` with one scale for all of `xs`: the largest |x| among them on the format's
+    largest finite value."""
     top = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs])
     scale = jnp.where(amax > 0, amax / top, 1.0)
-    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype), scale
+    return tuple(jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype) for x in xs), scale
 
 
 def _scaled(equation: str, a: jax.Array, b: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -73,24 +100,45 @@ def _transposes(equation: str) -> tuple[str, str, str]:
 
 def fp8_einsum(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """`einsum(equation, x, w)` in fp8 (module docstring), in the operands' (common) dtype."""
-    assert x.dtype == w.dtype, (x.dtype, w.dtype)  # both gradients are returned in it
-    return _einsum(equation, x, w)
+    return fp8_einsums((equation,), x, (w,))[0]
 
 
-def _forward(equation, x, w):
+def fp8_einsums(equations: tuple[str, ...], x: jax.Array, ws: tuple[jax.Array, ...],
+                input_grad: Callable | None = None) -> tuple[jax.Array, ...]:
+    """`einsum(equations[i], x, ws[i])` for each i in fp8, as one fused projection: the weights
+    share one scale and the output gradients another (module docstring), so the input gradient is
+    one sum of fp8 GEMMs, scaled once. `input_grad`, where given, takes that sum before the scale:
+    the caller's constraint putting it where the input came from (`layers.onto_residual_shards`).
+    The tensor ranks' partial sums are then reduced straight onto it, a reduce-scatter under
+    sequence parallelism. Scaled first, XLA's partitioner all-reduced the whole gradient and
+    sliced it after the scale, which XLA's GPU compile does not turn into a reduce-scatter (one
+    all-reduce a projection, where the compute dtype's step reduce-scatters;
+    `tests/test_sequence_parallel.py`)."""
+    assert all(x.dtype == w.dtype for w in ws), (x.dtype, [w.dtype for w in ws])  # gradients return in it
+    return _einsums(tuple(equations), input_grad, x, tuple(ws))
+
+
+def _forward(equations, input_grad, x, ws):
     qx, sx = quantize(x, FORWARD)
-    qw, sw = quantize(w, FORWARD)
-    return _scaled(equation, qx, qw, sx * sw, x.dtype), (qx, sx, qw, sw)
+    qws, sw = quantize_all(ws, FORWARD)
+    outs = tuple(_scaled(eq, qx, qw, sx * sw, x.dtype) for eq, qw in zip(equations, qws))
+    return outs, (qx, sx, qws, sw)
 
 
-def _backward(equation, saved, grad):
-    qx, sx, qw, sw = saved
-    xs, ws, out = _transposes(equation)
-    qg, sg = quantize(grad, BACKWARD)
-    dx = _scaled(f"{out},{ws}->{xs}", qg, qw, sg * sw, grad.dtype)
-    dw = _scaled(f"{xs},{out}->{ws}", qx, qg, sx * sg, grad.dtype)
-    return dx, dw
+def _backward(equations, input_grad, saved, grads):
+    qx, sx, qws, sw = saved
+    qgs, sg = quantize_all(grads, BACKWARD)
+    dx, dws = None, []
+    for eq, qw, qg in zip(equations, qws, qgs):
+        xs, ws, out = _transposes(eq)
+        part = jnp.einsum(f"{out},{ws}->{xs}", qg, qw, preferred_element_type=grads[0].dtype)
+        dx = part if dx is None else dx + part
+        dws.append(_scaled(f"{xs},{out}->{ws}", qx, qg, sx * sg, grads[0].dtype))
+    if input_grad is not None:
+        dx = input_grad(dx)
+    return dx * (sg * sw).astype(dx.dtype), tuple(dws)
 
 
-_einsum = jax.custom_vjp(lambda equation, x, w: _forward(equation, x, w)[0], nondiff_argnums=(0,))
-_einsum.defvjp(_forward, _backward)
+_einsums = jax.custom_vjp(lambda equations, input_grad, x, ws: _forward(equations, input_grad, x, ws)[0],
+                          nondiff_argnums=(0, 1))
+_einsums.defvjp(_forward, _backward)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from xlaopt.models import remat
-from xlaopt.models.fp8 import project
+from xlaopt.models.fp8 import project, project_all
 from xlaopt.models.tracing import installed
 
 RESIDUAL_BLD = ("batch", "residual_seq", "act_embed")
@@ -239,13 +239,30 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale).astype(x.dtype)
 
 
+@jax.custom_vjp
 def gathered(h_BLD: jax.Array) -> jax.Array:
     """A norm's output on the residual stream's shards, then whole along the sequence for the
     sub-block that reads it. Under sequence parallelism the gather comes after the norm, in the
     compute dtype, as Megatron gathers, and its transpose reduce-scatters the input gradient onto
-    the shards; left to propagation, XLA gathered the norm's fp32 input in the recomputed forward
-    and gathered whole output-projection weights in the backward (llama3-70b on tensor=8)."""
+    the shards (`onto_residual_shards`); left to propagation, XLA gathered the norm's fp32 input
+    in the recomputed forward and gathered whole output-projection weights in the backward
+    (llama3-70b on tensor=8)."""
     return constrain(constrain(h_BLD, RESIDUAL_BLD), SUBLAYER_IN_BLD)
+
+
+def _gathered_fwd(h_BLD):
+    return gathered(h_BLD), None
+
+
+def onto_residual_shards(grad_BLD: jax.Array) -> jax.Array:
+    """An input gradient of the sub-block `gathered` feeds, onto the residual stream's shards:
+    the tensor ranks' partial sums reduced there (a reduce-scatter under sequence parallelism).
+    fp8's projections call it on their unscaled sum (`fp8.fp8_einsums`): scaled first, XLA's GPU
+    compile all-reduced the whole gradient and sliced it after the scaling."""
+    return constrain(grad_BLD, RESIDUAL_BLD)
+
+
+gathered.defvjp(_gathered_fwd, lambda _, grad_BLD: (onto_residual_shards(grad_BLD),))
 
 
 @jax.custom_vjp
@@ -286,6 +303,7 @@ class Mlp(nn.Module):
     mlp_dim: int
     activation: str
     dtype: jnp.dtype
+    input_grad: Callable | None = None  # applied to fp8's unscaled input gradient (`fp8.project_all`)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -293,13 +311,14 @@ class Mlp(nn.Module):
         up_DF = param(self, "up_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
         down_FD = param(self, "down_FD", (F, D), ("mlp", "embed")).astype(self.dtype)
         gated = self.activation == "swiglu"
-        up_BLF = checkpoint_name(project("bld,df->blf", x_BLD, up_DF), remat.MLP_UP if gated else remat.MLP_IN)
-        if gated:
+        if gated:  # one fused projection (fp8: one scale), as Transformer Engine's fc1
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
-            h_BLF = nn.silu(checkpoint_name(project("bld,df->blf", x_BLD, gate_DF), remat.MLP_GATE)) * up_BLF
-        elif self.activation == "relu2":
-            h_BLF = jnp.square(nn.relu(up_BLF))
-        else:  # gelu (GPT, MPT)
-            h_BLF = nn.gelu(up_BLF)
+            up_BLF, gate_BLF = project_all(("bld,df->blf", "bld,df->blf"), x_BLD, (up_DF, gate_DF), self.input_grad)
+            up_BLF = checkpoint_name(up_BLF, remat.MLP_UP)
+            h_BLF = nn.silu(checkpoint_name(gate_BLF, remat.MLP_GATE)) * up_BLF
+        else:
+            (up_BLF,) = project_all(("bld,df->blf",), x_BLD, (up_DF,), self.input_grad)
+            up_BLF = checkpoint_name(up_BLF, remat.MLP_IN)
+            h_BLF = jnp.square(nn.relu(up_BLF)) if self.activation == "relu2" else nn.gelu(up_BLF)  # gelu: GPT, MPT
         h_BLF = checkpoint_name(constrain(h_BLF, ("batch", "seq", "act_mlp")), remat.MLP_HIDDEN)
         return checkpoint_name(reduce_matmul("blf,fd->bld", h_BLF, down_FD, 2, 0), remat.MLP_OUT)

@@ -10,7 +10,7 @@ from xlaopt.analysis import gpu_aot
 from xlaopt.errors import UserError
 from xlaopt.execution import ExecutionConfig
 from xlaopt.mesh import MESH_AXES, MeshSpec
-from xlaopt.models.fp8 import BACKWARD, FORWARD, fp8_einsum, quantize
+from xlaopt.models.fp8 import BACKWARD, FORWARD, fp8_einsum, fp8_einsums, quantize
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram
 from xlaopt.runtime.verify import TOLERANCES, compare, one_step_grads, reference_program, tolerance_key
@@ -55,6 +55,34 @@ def test_the_projection_and_both_its_gradients_are_within_fp8_rounding_of_the_ex
     dots = _dots(jax.make_jaxpr(jax.grad(loss(fp8_einsum), argnums=(0, 1)))(x, w).jaxpr)
     assert sorted(tuple(str(v.aval.dtype) for v in e.invars) for e in dots) == [
         ("float8_e4m3fn", "float8_e4m3fn"), ("float8_e4m3fn", "float8_e5m2"), ("float8_e5m2", "float8_e4m3fn")]
+
+
+def test_projections_of_one_input_share_one_scale_and_stay_within_fp8_rounding():
+    """q, k and v (or gate and up) as one fused projection: one weight scale and one output
+    gradient scale for the group, as Transformer Engine's fused QKV and fc1. A weight 100x smaller
+    than the group's largest stays in E4M3's normal range, so every output and gradient is as
+    close to the exact one as a projection of its own (the bounds above); the input gradient is
+    one sum of fp8 GEMMs."""
+    k = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(k[0], (2, 64, 128), jnp.bfloat16)
+    ws = ((jax.random.normal(k[1], (128, 4, 32)) * 0.1).astype(jnp.bfloat16),
+          (jax.random.normal(k[2], (128, 2, 32)) * 0.001).astype(jnp.bfloat16))
+    eqs = ("bld,dhk->blhk", "bld,dnk->blnk")
+    probes = (jax.random.normal(k[3], (2, 64, 4, 32)), jax.random.normal(k[4], (2, 64, 2, 32)) * 100)
+
+    def loss(fn):
+        return lambda x, ws: sum(jnp.sum(y.astype(jnp.float32) * p) for y, p in zip(fn(x, ws), probes))
+
+    exact_fn = lambda x, ws: tuple(jnp.einsum(eq, x, w) for eq, w in zip(eqs, ws))  # noqa: E731
+    fused_fn = lambda x, ws: fp8_einsums(eqs, x, ws)  # noqa: E731
+    for got, want in zip(fused_fn(x, ws), exact_fn(x, ws)):
+        assert _rel(got, want) < 2.0**-4
+    exact = jax.grad(loss(exact_fn), argnums=(0, 1))(x, ws)
+    fused = jax.jit(jax.grad(loss(fused_fn), argnums=(0, 1)))(x, ws)
+    assert _rel(fused[0], exact[0]) < 2.0**-3
+    assert max(_rel(a, b) for a, b in zip(fused[1], exact[1])) < 2.0**-3
+    dots = _dots(jax.make_jaxpr(jax.grad(loss(fused_fn), argnums=(0, 1)))(x, ws).jaxpr)
+    assert len(dots) == 6 and all(str(v.aval.dtype).startswith("float8") for e in dots for v in e.invars)
 
 
 def _dots(jaxpr) -> list:

@@ -76,14 +76,16 @@ def test_sequence_parallel_step_matches_single_device(config):
 def test_on_the_gpu_target_each_sub_block_reduce_scatters_instead_of_all_reducing():
     """XLA's GPU pipeline turns the partitioner's all-reduce-then-slice into reduce-scatters
     (its CPU pipeline keeps the all-reduce): per layer forward, the attention's and the MLP's
-    outputs reduce-scatter onto the sequence shards, and no activation is all-reduced."""
+    outputs reduce-scatter onto the sequence shards, and no activation is all-reduced. With fp8
+    matmuls the same: the input gradients of q, k, v and of gate, up are reduced as one sum before
+    fp8's scale (before it, each sub-block's was all-reduced whole in the backward)."""
     from xlaopt.analysis.topology import parse_topology
 
     topology = parse_topology("h100:1x2")
     kinds = {}
-    for name, rules in (("off", DEFAULT_RULES), ("on", SP)):
+    for name, rules, matmuls in (("off", DEFAULT_RULES, "compute"), ("on", SP, "compute"), ("fp8", SP, "fp8")):
         program = TrainProgram(LLAMA_TINY, MeshSpec.parse("tensor=2"), rules=rules, target="gpu",
-                               execution=ExecutionConfig(attention="cudnn"))
+                               execution=ExecutionConfig(attention="cudnn", matmuls=matmuls))
         program, _ = run_pipeline(program, pipeline())
         devices = gpu_aot.gpu_mesh(topology, program.mesh.sizes, MESH_AXES)
         text = compile_program(program, devices).train_step.as_text()
@@ -94,6 +96,7 @@ def test_on_the_gpu_target_each_sub_block_reduce_scatters_instead_of_all_reducin
     assert ("all-reduce", (rows, length, d)) in kinds["off"]
     assert ("reduce-scatter", (rows, length // 2, d)) in kinds["on"]
     assert not any(kind == "all-reduce" for kind, _ in kinds["on"])
+    assert kinds["fp8"] == kinds["on"]
 
 
 def test_the_planner_offers_it_with_tensor_parallelism_and_prices_what_it_splits():
