@@ -137,16 +137,21 @@ def cudnn_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens, 
     device's shard. Inside a shard_map manual over some axes (a pipeline's stages, Ulysses'
     context) that rule fails on jax 0.10.2 (`custom_partitioner` asserts on the partly manual
     sharding), so the call runs in a shard_map manual over every other axis too: rows over the
-    axes that split them, heads over those that split heads, nothing left to partition."""
+    axes that split them, heads over those that split heads, nothing left to partition. A call
+    of one row goes that way under an automatic mesh too: there the rule fails Shardy's verifier
+    on jax 0.10.2 ("dim mapping can't have a factor of size 1 if there are multiple factors", the
+    softmax statistics' row factor of size 1), as a micro-batch of one sequence makes it."""
     del block
     call = functools.partial(_local, max_segments=max_segments)
     mesh = jax.sharding.get_abstract_mesh()
     manual = set() if mesh.empty else set(mesh.manual_axes)
     rest = tuple(a for a in ([] if mesh.empty else mesh.axis_names) if a not in manual)
-    if not manual or not rest:
+    if not rest or (not manual and q_BLHK.shape[0] > 1):
         return call(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
     sizes = dict(mesh.shape)
     rows = tuple(a for a in batch_mesh_axes() if a in rest)
+    if q_BLHK.shape[0] % math.prod(sizes[a] for a in rows):
+        rows = ()  # rows the mesh cannot split (one row): every device holds them whole
     heads = tuple(a for a in head_mesh_axes() if a in rest)
     ways = math.prod(sizes[a] for a in heads)
     if q_BLHK.shape[2] % ways or k_BSNK.shape[2] % ways:

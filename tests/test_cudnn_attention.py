@@ -287,3 +287,28 @@ def test_inside_a_partly_manual_shard_map_the_call_runs_manual_over_every_axis(t
             out = jax.jit(staged)(q, k, v, q_tok, k_tok)
         assert text.count("sdy.manual_computation") == 2  # stage, then every other axis
         np.testing.assert_allclose(out, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_micro_batch_of_one_row_compiles_on_an_automatic_mesh():
+    """One sequence a micro-batch (Megatron's micro-batch 1) under tensor parallelism: JAX's own
+    partitioning rule for the call fails Shardy's verifier on a row dimension of 1 on jax 0.10.2,
+    so such a call runs in a shard_map manual over every axis, its heads split as the layout
+    splits them; the step compiles deviceless to the fused kernels."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the deviceless GPU compile needs pip install -e '.[gpu-aot]'")
+    from xlaopt.analysis import gpu_aot
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.mesh import MESH_AXES
+    from xlaopt.pipeline import pipeline, run_pipeline
+
+    from conftest import LLAMA_TINY
+
+    program = TrainProgram(LLAMA_TINY, MeshSpec.parse("tensor=2"), settings=TrainSettings(batch=BatchShape(2, 48, 0)),
+                           execution=dataclasses.replace(CUDNN, micro_batches=2), target="gpu")
+    program = run_pipeline(program, pipeline())[0]
+    devices = gpu_aot.gpu_mesh(parse_topology("h100:1x2"), program.mesh.sizes, MESH_AXES)
+    text = compile_program(program, devices).train_step.as_text()
+    forward = [line for line in text.splitlines() if f'custom_call_target="{FORWARD_TARGET}"' in line]
+    heads = LLAMA_TINY.num_heads // 2
+    # One row, this rank's heads: bf16[1, H / 2, 48, K] out of each forward call.
+    assert forward and all(f"bf16[1,{heads},48,{LLAMA_TINY.head_dim}]" in line.split("custom-call(")[0]
+                           for line in forward), forward[:1]
