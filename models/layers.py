@@ -247,11 +247,19 @@ def gathered(h_BLD: jax.Array) -> jax.Array:
     the shards (`onto_residual_shards`); left to propagation, XLA gathered the norm's fp32 input
     in the recomputed forward and gathered whole output-projection weights in the backward
     (llama3-70b on tensor=8)."""
+    return _gather(h_BLD)
+
+
+def _gather(h_BLD):
     return constrain(constrain(h_BLD, RESIDUAL_BLD), SUBLAYER_IN_BLD)
 
 
 def _gathered_fwd(h_BLD):
-    return gathered(h_BLD), None
+    return _gather(h_BLD), None
+
+
+def _gathered_bwd(_, grad_BLD):
+    return (onto_residual_shards(grad_BLD),)
 
 
 def onto_residual_shards(grad_BLD: jax.Array) -> jax.Array:
@@ -262,7 +270,7 @@ def onto_residual_shards(grad_BLD: jax.Array) -> jax.Array:
     return constrain(grad_BLD, RESIDUAL_BLD)
 
 
-gathered.defvjp(_gathered_fwd, lambda _, grad_BLD: (onto_residual_shards(grad_BLD),))
+gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 @jax.custom_vjp

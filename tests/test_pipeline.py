@@ -252,7 +252,7 @@ def test_traced_function_and_hlo_levels_are_wired(program):
 
 def _own_backward_rule() -> str:
     """The name of the model's own backward rule making the current call, or ''."""
-    rules = ("_embedding_lookup_bwd", "_gathered_gradient_bwd")
+    rules = ("_embedding_lookup_bwd", "_gathered_gradient_bwd", "_gathered_bwd")
     return next((f.function for f in inspect.stack(0) if f.function in rules), "")
 
 
@@ -260,7 +260,7 @@ def _own_backward_rule() -> str:
 def test_tracing_installs_the_mesh_and_constraints_compose(program):
     """A rewrite sees the program's mesh while tracing, and a constraint it installs runs
     together with the layout's own on every activation."""
-    from xlaopt.models.layers import RESIDUAL_BLD, SUBLAYER_IN_BLD, activation_constraint
+    from xlaopt.models.layers import activation_constraint
 
     seen = []
 
@@ -281,18 +281,17 @@ def test_tracing_installs_the_mesh_and_constraints_compose(program):
     assert [seen[i] for i in marks] == [{"stage": 1, "data": 1, "fsdp": 2, "tensor": 2, "context": 1}] * 2
     recorded = len(seen) - marks[1] - 1
     # Every activation the recorder saw also got the layout's sharding constraint, and no other:
-    # each once in the forward pass and once, transposed, in the backward pass. Backward rules of
-    # the model's own (`models/layers.py`) constrain once, seen by the recorder as calls of their
-    # own: an embedding lookup's (twice: the rows' move to the table's split, then the table's
-    # sharding; for the token and the modality tables) and
-    # each sub-block output's gradient gathered (`gathered_gradient`). A gathered norm output is
-    # constrained twice in a row (`gathered`: onto the residual stream's shards, then whole),
-    # which on this mesh name the same sharding, and the lowered backward may hold one transposed
-    # constraint for such a pair instead of two (2 of the 6 pairs here, on jax 0.10.2).
+    # each once in the forward pass and at most once more, transposed, in the backward pass.
+    # Backward rules of the model's own (`models/layers.py`) constrain once, seen by the recorder
+    # as calls of their own: an embedding lookup's (twice: the rows' move to the table's split,
+    # then the table's sharding; for the token and the modality tables), each sub-block output's
+    # gradient gathered (`gathered_gradient`) and each gathered norm output's gradient put back
+    # on the residual stream's shards (`gathered`: constrained twice in a row forward, onto the
+    # shards then whole, and not transposed; JAX may trace a custom_vjp's function beside its
+    # forward rule, so the recorder can see those twice).
     traced = seen[marks[1] + 1:]
     own = collections.Counter(rule for _, rule in traced if rule)
-    assert own["_embedding_lookup_bwd"] == 4 and own["_gathered_gradient_bwd"] >= 4
+    assert own["_embedding_lookup_bwd"] == 4 and own["_gathered_gradient_bwd"] >= 4 and own["_gathered_bwd"] >= 4
     forward = recorded - sum(own.values())
-    pairs = sum(1 for i in range(1, len(traced)) if (traced[i - 1][0], traced[i][0]) == (RESIDUAL_BLD, SUBLAYER_IN_BLD))
     constraints = lowered.count("sdy.sharding_constraint")
-    assert forward > 10 and 2 * forward + sum(own.values()) - pairs <= constraints <= 2 * forward + sum(own.values())
+    assert forward > 10 and forward + sum(own.values()) <= constraints <= 2 * forward + sum(own.values())
