@@ -18,9 +18,8 @@ Projections of one input (attention's q, k and v; a gated MLP's gate and up) run
 projection (`project_all`), as Transformer Engine fuses them into one QKV and one fc1 weight:
 their weights share one scale, and so do their output gradients. E4M3's normal range (2^-6 to
 448, near 2^15) keeps a weight's largest element up to 2^14 below the group's at the format's
-full relative precision. The input
-gradient is then one sum, scaled once, which the partitioner reduces as it reduces the compute
-dtype's (`fp8_einsums`).
+full relative precision. The input gradient is then one sum, scaled once, which the partitioner
+reduces as it reduces the compute dtype's (`fp8_einsums`).
 
 Which matmuls run in fp8 is set for a trace (`matmuls_in`), as Transformer Engine's recipe
 context sets it: the attention's q, k, v and output projections and the MLP's; embeddings, the

@@ -318,8 +318,7 @@ class Mlp(nn.Module):
         D, F = self.d_model, self.mlp_dim
         up_DF = param(self, "up_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
         down_FD = param(self, "down_FD", (F, D), ("mlp", "embed")).astype(self.dtype)
-        gated = self.activation == "swiglu"
-        if gated:  # one fused projection (fp8: one scale), as Transformer Engine's fc1
+        if self.activation == "swiglu":  # one fused projection (fp8: one scale), as Transformer Engine's fc1
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
             up_BLF, gate_BLF = project_all(("bld,df->blf", "bld,df->blf"), x_BLD, (up_DF, gate_DF), self.input_grad)
             up_BLF = checkpoint_name(up_BLF, remat.MLP_UP)
