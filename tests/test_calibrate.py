@@ -55,6 +55,36 @@ def test_the_fit_command_reproduces_the_frozen_values(tmp_path):
     assert "(frozen:" not in format_refit(result)
 
 
+class _KnownStep:
+    """A compiled step stand-in whose price follows two efficiencies by a known law: the row's
+    measured step at attention 0.45 and matmul_max 0.55, each share scaling as its efficiency."""
+
+    def __init__(self, run, attention_share: float):
+        # A tokens-per-second row's step from its metric: `metric_of` is its own inverse.
+        self.step_s = run.measured if run.metric == "step_time_s" else cal.metric_of(run, run.measured)
+        self.share = attention_share
+
+    def price(self, eff: cm.Efficiency) -> dict:
+        return {"step_time_s": self.step_s * (self.share * 0.45 / eff.attention
+                                               + (1 - self.share) * 0.55 / eff.matmul_max)}
+
+
+def test_the_compiled_method_fits_and_leaves_out_on_its_own_prices():
+    """The compiled method's fit and its leave-one-out refits run on the compiled rows' prices
+    (`compiled_price`), not the analytic model's: rows whose compiled prices follow known
+    efficiencies get them back, and each left-out row is then predicted to within the tolerance."""
+    priced = [cal.prepare(r) for r in cal.read_runs(RUNS)]
+    steps = {p.run.id: _KnownStep(p.run, share) for p, share in zip(priced, (0.1, 0.3, 0.2, 0.4, 0.15, 0.25))}
+    price = cal.compiled_price(steps)
+    assert price(priced[0], cm.FITTED) != cal.predict(priced[0], cm.FITTED)
+    assert price(priced[-1], cm.FITTED) == cal.predict(priced[-1], cm.FITTED)  # not compiled: analytic
+    compiled = [p for p in priced if p.run.id in steps]
+    fitted = cal.fit(compiled, cm.FITTED, price, cal.COMPILED_TOLERANCE)
+    assert (fitted.attention, fitted.matmul_max) == (pytest.approx(0.45, rel=0.02), pytest.approx(0.55, rel=0.02))
+    refit = cal.fit(compiled[1:], fitted, price, cal.COMPILED_TOLERANCE)
+    assert price(compiled[0], refit) / compiled[0].run.measured - 1 == pytest.approx(0, abs=0.02)
+
+
 def test_no_published_row_is_unpriced_and_empty_act_ckpt_is_reported_as_defaulted(result):
     with RUNS.open(newline="") as f:
         cells = {row["id"]: row for row in csv.DictReader(f)}

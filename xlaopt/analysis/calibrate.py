@@ -11,7 +11,11 @@ shape, batch, parallel degrees, recomputation, precision, and the measured `step
   devices, bf16), xlaopt's generic decoder at the row's full size is compiled on a mesh with the
   row's degrees and the HLO priced by the schedule simulator with the same efficiencies
   (`xlaopt.analysis.calibrate_compiled`; 10 to 40 s per row on two CPU cores). Other rows fall back to
-  "analytic" with the reason the compiled method could not take them.
+  "analytic" with the reason the compiled method could not take them. With `target="gpu"` the
+  whole step compiles deviceless for the row's GPUs (`xlaopt.analysis.calibrate_gpu`).
+
+Each method is fitted and left out on its own prices (`fit`'s `price`): the compiled method
+re-simulates its rows' kept schedules under each trial of the efficiencies (`compiled_price`).
 
 Rows that cannot be modelled (unknown GPU, unstated vocabulary, parallel degrees that do not
 multiply to the GPU count, ...) come back with method "unmodelled" and the reason, never dropped.
@@ -30,6 +34,7 @@ import dataclasses
 import json
 import math
 import pathlib
+from typing import Callable
 
 import numpy as np
 
@@ -316,30 +321,64 @@ def metric_of(run: Run, step_s: float) -> float:
 
 # --- fitting ------------------------------------------------------------------------------------
 
-def objective(priced: list[Priced], eff: cm.Efficiency) -> float:
-    """Mean |log(predicted / measured)|: symmetric in over- and under-prediction."""
-    return float(np.mean([abs(math.log(predict(p, eff) / p.run.measured)) for p in priced]))
+def objective(priced: list[Priced], eff: cm.Efficiency, price: Callable = predict) -> float:
+    """Mean |log(predicted / measured)|: symmetric in over- and under-prediction. `price(p, eff)`:
+    the row's metric as the method predicts it (the analytic model's by default)."""
+    return float(np.mean([abs(math.log(price(p, eff) / p.run.measured)) for p in priced]))
 
 
-def fit(priced: list[Priced], start: cm.Efficiency = FIT_START) -> cm.Efficiency:
-    """The efficiencies minimising `objective` on `priced`; about half a second for 11 rows."""
-    return minimise(lambda eff: objective(priced, eff), start)
+def fit(priced: list[Priced], start: cm.Efficiency = FIT_START, price: Callable = predict,
+        tolerance: float = 1e-9) -> cm.Efficiency:
+    """The efficiencies minimising `objective` on `priced`; about half a second for 11 rows
+    priced analytically."""
+    return minimise(lambda eff: objective(priced, eff, price), start, tolerance)
 
 
-def refit(runs: list[Run]) -> dict:
-    """`xlaopt calibrate --runs CSV --fit`: `fit` on every modelled row, from `FIT_START`, as
-    `costmodel.FITTED` was frozen; the values to 3 significant figures (what FITTED holds), the
-    objective at both, and the literal to paste. Nothing in the code changes."""
+# The compiled method's fits stop when the simplex's values agree to this (mean |log| ~0.1-0.3):
+# each of its objective values simulates every compiled row (up to a second for a pipeline's
+# 350,000 ops), and the analytic fit's 1e-9 takes ~1,000 of them where this takes ~200.
+COMPILED_TOLERANCE = 1e-4
+
+
+def compiled_price(steps: dict) -> Callable:
+    """`price(p, eff)` of the compiled method: a compiled row from its kept schedule, simulated
+    under `eff`; a row not compiled analytically, as the report prices it."""
+    def price(p: Priced, eff: cm.Efficiency) -> float:
+        step = steps.get(p.run.id)
+        if step is None or isinstance(step, str):
+            return predict(p, eff)
+        return metric_of(p.run, step.price(eff)["step_time_s"])
+    return price
+
+
+def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=None) -> dict:
+    """`xlaopt calibrate --runs CSV --fit`: `fit` on every modelled row, as `costmodel.FITTED` was
+    frozen (analytic: from `FIT_START`; compiled: the rows compiled for `target` and the fit run
+    from FITTED to `COMPILED_TOLERANCE`); the values to 3 significant figures (what FITTED holds),
+    the objective at both, and the literal to paste. Nothing in the code changes."""
     priced = [p for p in (prepare(run) for run in runs) if isinstance(p, Priced)]
     if not priced:
         raise UserError("no modelled rows to fit")
-    fitted = fit(priced)
+    price = compiled_price(_compiled_steps(priced, method, target, log)) if method == "compiled" else predict
+    fitted = (fit(priced, cm.FITTED, price, COMPILED_TOLERANCE) if method == "compiled" else fit(priced))
     rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
     literal = "FITTED = Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
-    return dict(rows=[p.run.id for p in priced], fitted=dataclasses.asdict(fitted),
+    return dict(rows=[p.run.id for p in priced], method=method, fitted=dataclasses.asdict(fitted),
                 rounded=dataclasses.asdict(rounded), frozen=dataclasses.asdict(cm.FITTED),
-                objective_fitted=objective(priced, fitted), objective_frozen=objective(priced, cm.FITTED),
-                literal=literal)
+                objective_fitted=objective(priced, fitted, price),
+                objective_frozen=objective(priced, cm.FITTED, price), literal=literal)
+
+
+def _compiled_steps(priced: list[Priced], method: str, target: str, log=None) -> dict:
+    """Row id -> its compiled step or why not (`compile_rows`, `calibrate_gpu.compile_rows`); {}
+    for the analytic method."""
+    if method != "compiled":
+        return {}
+    if target == "gpu":
+        from xlaopt.analysis.calibrate_gpu import compile_rows as compile_gpu_rows
+
+        return compile_gpu_rows(priced, log)
+    return compile_rows(priced, log=log)
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -356,14 +395,8 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         raise UserError(f"calibration target {target!r}; use one of {', '.join(TARGETS)}")
     prepared = [(run, prepare(run)) for run in runs]
     priced = [p for _, p in prepared if isinstance(p, Priced)]
-    steps = {}
-    if method == "compiled":
-        if target == "gpu":
-            from xlaopt.analysis.calibrate_gpu import compile_rows as compile_gpu_rows
-
-            steps = compile_gpu_rows(priced, log)
-        else:
-            steps = compile_rows(priced, attention, log)
+    steps = (compile_rows(priced, attention, log) if method == "compiled" and target == "cpu"
+             else _compiled_steps(priced, method, target, log))
     rows = []
     for run, p in prepared:
         # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
@@ -401,15 +434,21 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         result.update(compiled_median_abs_rel_error=float(np.median(compiled_errors)),
                       compiled_max_abs_rel_error=float(np.max(compiled_errors)))
     if leave_one_out and len(priced) > 1:
-        # The refits are of the analytic model (the compiled one is too slow to fit); a compiled row
-        # is predicted from its compiled step with the efficiencies fitted without it.
+        # Each method refits on its own prices. The compiled method's fits are simulations (see
+        # COMPILED_TOLERANCE): its all-rows fit runs from FITTED, and each refit without a row
+        # starts a fresh simplex (the fit's full first step) at the all-rows fit.
+        price, start, tolerance = predict, FIT_START, 1e-9
+        if method == "compiled":
+            price = compiled_price(steps)
+            tolerance = COMPILED_TOLERANCE
+            start = fit(priced, cm.FITTED, price, tolerance)
+            result["compiled_fit"] = dict(efficiency=dataclasses.asdict(start),
+                                          objective=objective(priced, start, price),
+                                          objective_frozen=objective(priced, eff, price))
         loo = {}
         for i, p in enumerate(priced):
-            refit = fit(priced[:i] + priced[i + 1:])
-            step = steps.get(p.run.id)
-            compiled = step is not None and not isinstance(step, str)
-            predicted = metric_of(p.run, step.price(refit)["step_time_s"]) if compiled else predict(p, refit)
-            loo[p.run.id] = predicted / p.run.measured - 1
+            refit = fit(priced[:i] + priced[i + 1:], start, price, tolerance)
+            loo[p.run.id] = price(p, refit) / p.run.measured - 1
         for r in rows:
             r["loo_rel_error"] = loo.get(r["id"])
         loo_abs = [abs(v) for v in loo.values()]
@@ -450,7 +489,7 @@ def main_calibrate(runs_path: str | pathlib.Path = PUBLISHED_RUNS, json_out: str
     log = lambda message: print(message, file=sys.stderr, flush=True)
     runs_path = RUN_SETS.get(str(runs_path), runs_path)
     held_out = pathlib.Path(runs_path) == HELDOUT_RUNS
-    result = (refit(read_runs(runs_path)) if refit_only
+    result = (refit(read_runs(runs_path), method, target, log) if refit_only
               else calibrate(read_runs(runs_path), method=method, log=log, target=target, leave_one_out=not held_out))
     result["runs"] = str(runs_path)
     if json_out is not None:

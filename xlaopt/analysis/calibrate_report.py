@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def format_refit(result: dict) -> str:
     """`refit`'s result as text."""
-    lines = [f"fitted on {len(result['rows'])} rows: {', '.join(result['rows'])}"]
+    lines = [f"fitted on {len(result['rows'])} rows ({result.get('method', 'analytic')} method): "
+             f"{', '.join(result['rows'])}"]
     for k, v in result["fitted"].items():
         same = "" if result["rounded"][k] == result["frozen"][k] else f"  (frozen: {result['frozen'][k]:.3g})"
         lines.append(f"  {k:<18} {v:.6g} -> {result['rounded'][k]:.3g}{same}")
@@ -48,6 +49,11 @@ def format_table(result: dict) -> str:
     if "loo_median_abs_rel_error" in result:
         lines.append(f"leave-one-out: median |error| {result['loo_median_abs_rel_error']:.1%}, "
                      f"worst {result['loo_max_abs_rel_error']:.1%}")
+    if "compiled_fit" in result:
+        f = result["compiled_fit"]
+        lines.append(f"fitted on the compiled method's prices (mean |log| {f['objective']:.4f}, frozen "
+                     f"{f['objective_frozen']:.4f}; the leave-one-out refits start here): "
+                     + ", ".join(f"{k}={v:.3g}" for k, v in f["efficiency"].items()))
     e = result["efficiency"]
     lines.append("efficiency: " + ", ".join(f"{k}={v:.3g}" for k, v in e.items()))
     return "\n".join(lines)

@@ -69,9 +69,10 @@ def nelder_mead(f, x0: np.ndarray, step: float = 0.5, iterations: int = 300, tol
     return simplex[int(np.argmin(values))]
 
 
-def minimise(objective: Callable[[cm.Efficiency], float], start: cm.Efficiency = FIT_START) -> cm.Efficiency:
+def minimise(objective: Callable[[cm.Efficiency], float], start: cm.Efficiency = FIT_START,
+             tolerance: float = 1e-9) -> cm.Efficiency:
     """The efficiencies minimising `objective`. An objective with kinks (an absolute value per
     row) can stall a simplex: restart once from the best point with a fresh, smaller simplex."""
     f = lambda t: objective(_from_theta(t))
-    first = nelder_mead(f, _to_theta(start))
-    return _from_theta(nelder_mead(f, first, step=0.1))
+    first = nelder_mead(f, _to_theta(start), tolerance=tolerance)
+    return _from_theta(nelder_mead(f, first, step=0.1, tolerance=tolerance))

@@ -37,6 +37,7 @@ to hide behind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Callable, Iterator
@@ -90,6 +91,7 @@ class Schedule:
     def flops(self) -> float:
         return sum(op.flops for op in self.ops)
 
+    @functools.cached_property  # read by every simulation of the schedule (a refit runs hundreds)
     def branch_spans(self) -> dict[str, list[tuple[int, int]]]:
         """{name scope: [first, end) runs of `ops`} for the ops each branch rule chose."""
         spans: dict[str, list[tuple[int, int]]] = {}

@@ -200,6 +200,11 @@ def copy_time_s(op: Op, topology: Topology) -> float:
     return (1 if op.host_transfer else 2) * op.bytes / hbm
 
 
+def _instruction(op: Op) -> tuple:
+    """What an op's time depends on: its instruction, and the runs a once-priced loop op stands for."""
+    return op.computation, op.name, op.repeat
+
+
 class _Run:
     """The simulation's state: when each stream is next free, the async operations in flight,
     and what has been accounted; one method per op kind (see `_HANDLERS`)."""
@@ -226,6 +231,11 @@ class _Run:
         self.compute_durs: list[float] = []
         self._axes: dict[int, str] = {}
         self._level: dict[int, str] = {}
+        # An op's time depends on the instruction alone (and, for a loop priced once per op, its
+        # runs), not on which expansion of a loop or branch it is: priced once each (a pipeline's
+        # schedule runs some 350,000 ops expanded from a few thousand instructions).
+        self._compute_s: dict[tuple, float] = {}
+        self._collective_s: dict[tuple, float] = {}
 
     # --- accounting ------------------------------------------------------------------------
     def axes_of(self, info: CollectiveInfo) -> str:
@@ -258,6 +268,13 @@ class _Run:
         return entry
 
     def _collective_time(self, op: Op) -> float:
+        key = _instruction(op)
+        d = self._collective_s.get(key)
+        if d is None:
+            d = self._collective_s[key] = self._price_collective(op)
+        return d
+
+    def _price_collective(self, op: Op) -> float:
         if op.host_transfer:  # a send / recv between host and device: priced as a host copy
             return copy_time_s(dataclasses.replace(op, bytes=op.collective.bytes), self.topology)
         return hlo_collective_time_s(op.collective, self.topology, self.eff, self.cpu_fixups, self.kernels)
@@ -280,7 +297,11 @@ class _Run:
 
     # --- one handler per op kind -------------------------------------------------------------
     def compute(self, op: Op) -> None:
-        d = compute_time_s(op, self.topology, self.eff, self.matmul_dtype, self.cpu_fixups)
+        key = _instruction(op)
+        d = self._compute_s.get(key)
+        if d is None:
+            d = self._compute_s[key] = compute_time_s(op, self.topology, self.eff, self.matmul_dtype,
+                                                         self.cpu_fixups)
         if d <= 0:
             return
         self.compute_starts.append(self.tc)
@@ -413,7 +434,7 @@ def simulate(schedule: Schedule, topology: Topology, mesh_shape: dict[str, int] 
     program was compiled with XLA's all-reduce kernels on, `hlo_collective_time_s`)."""
     run = _Run(topology, mesh_shape, eff, matmul_dtype, cpu_fixups, keep_timeline, kernels)
     spans = {loop["name"]: loop["ops"] for loop in schedule.loops if "ops" in loop}
-    branches = schedule.branch_spans()
+    branches = schedule.branch_spans
     marks = {i for span in [*spans.values(), *(r for runs in branches.values() for r in runs)] for i in span}
     clock: dict[int, float] = {}
     for i, op in enumerate(schedule.ops):

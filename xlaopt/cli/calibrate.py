@@ -35,8 +35,9 @@ def register(sub) -> None:
                         "row it cannot build, e.g. A100's or a context split Ulysses cannot make, is priced "
                         "analytically and says why)")
     p.add_argument("--fit", action="store_true",
-                   help="refit the efficiencies on the CSV's modelled rows and print them to 3 significant "
-                        "figures beside the frozen costmodel.FITTED (changes nothing)")
+                   help="refit the efficiencies on the CSV's modelled rows, on the method's own prices (with "
+                        "--method compiled: the compiled rows' simulated schedules), and print them to 3 "
+                        "significant figures beside the frozen costmodel.FITTED (changes nothing)")
     p.add_argument("--json", default=None, metavar="OUT")
 
 
