@@ -232,11 +232,32 @@ def one_hot_nll(logits_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BTE, axis=-1) - jnp.sum(logits_BTE * onehot_BTE, axis=-1)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in fp32, returned in x's dtype."""
+    """RMSNorm over the last axis, computed in fp32, returned in x's dtype. The backward keeps x
+    and the scale and recomputes the fp32 values from them, as fused norm kernels (Transformer
+    Engine's, Apex's) keep their input; autodiff kept x and the normalised value in fp32, 4x a
+    bf16 x's bytes a norm. A custom_vjp, not `jax.checkpoint`: the checkpoint's optimisation
+    barriers moved XLA's GPU schedule (FSDP gathers prefetched without the pipeliner's flag,
+    collective matmul's ring transfers left without compute)."""
+    return _rms_norm(x, scale, eps)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (y * scale).astype(x.dtype)
+
+
+def _rms_norm_fwd(x, scale, eps):
+    return _rms_norm(x, scale, eps), (x, scale)
+
+
+def _rms_norm_bwd(eps, kept, dy):
+    return jax.vjp(functools.partial(_rms_norm, eps=eps), *kept)[1](dy)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 @jax.custom_vjp
@@ -306,6 +327,51 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps)
 
 
+# The MLP's activations with their derivatives written out (`jax.custom_jvp`): the backward
+# keeps one coefficient an input (silu and its gated derivative for SwiGLU), as fused activation
+# kernels keep what their backward reads; autodiff of the composed ops kept silu's sigmoid and
+# products besides, three more [tokens, mlp_dim] arrays a layer. A policy that saves the inputs by
+# name recomputes the coefficients from them.
+@jax.custom_jvp
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return nn.silu(gate) * up
+
+
+@_swiglu.defjvp
+def _swiglu_jvp(primals, tangents):
+    (gate, up), (d_gate, d_up) = primals, tangents
+    sigmoid = jax.nn.sigmoid(gate)
+    silu = gate * sigmoid
+    return silu * up, (sigmoid * (1 + gate * (1 - sigmoid)) * up) * d_gate + silu * d_up
+
+
+@jax.custom_jvp
+def _relu2(u: jax.Array) -> jax.Array:
+    return jnp.square(nn.relu(u))
+
+
+@_relu2.defjvp
+def _relu2_jvp(primals, tangents):
+    (u,), (d_u,) = primals, tangents
+    r = nn.relu(u)
+    return r * r, (2 * r) * d_u
+
+
+@jax.custom_jvp
+def _gelu(u: jax.Array) -> jax.Array:
+    return nn.gelu(u)
+
+
+@_gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (u,), (d_u,) = primals, tangents
+    value, derivative = jax.jvp(nn.gelu, (u,), (jnp.ones_like(u),))
+    return value, derivative * d_u
+
+
+_ACTIVATIONS = {"relu2": _relu2, "gelu": _gelu}  # gelu: GPT, MPT
+
+
 class Mlp(nn.Module):
     d_model: int
     mlp_dim: int
@@ -321,11 +387,9 @@ class Mlp(nn.Module):
         if self.activation == "swiglu":  # one fused projection (fp8: one scale), as Transformer Engine's fc1
             gate_DF = param(self, "gate_DF", (D, F), ("embed", "mlp")).astype(self.dtype)
             up_BLF, gate_BLF = project_all(("bld,df->blf", "bld,df->blf"), x_BLD, (up_DF, gate_DF), self.input_grad)
-            up_BLF = checkpoint_name(up_BLF, remat.MLP_UP)
-            h_BLF = nn.silu(checkpoint_name(gate_BLF, remat.MLP_GATE)) * up_BLF
+            h_BLF = _swiglu(checkpoint_name(gate_BLF, remat.MLP_GATE), checkpoint_name(up_BLF, remat.MLP_UP))
         else:
             (up_BLF,) = project_all(("bld,df->blf",), x_BLD, (up_DF,), self.input_grad)
-            up_BLF = checkpoint_name(up_BLF, remat.MLP_IN)
-            h_BLF = jnp.square(nn.relu(up_BLF)) if self.activation == "relu2" else nn.gelu(up_BLF)  # gelu: GPT, MPT
+            h_BLF = _ACTIVATIONS[self.activation](checkpoint_name(up_BLF, remat.MLP_IN))
         h_BLF = checkpoint_name(constrain(h_BLF, ("batch", "seq", "act_mlp")), remat.MLP_HIDDEN)
         return checkpoint_name(reduce_matmul("blf,fd->bld", h_BLF, down_FD, 2, 0), remat.MLP_OUT)

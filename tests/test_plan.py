@@ -143,8 +143,9 @@ def test_image_models_analytic_shapes_count_the_model_flops(name):
 def test_traced_residuals_are_the_formula_where_it_is_exact_and_more_without_recomputation(model):
     """What the layer stack saves per token, traced from the jaxpr: the layer input alone under
     `full`, exactly the matmul outputs the formula counts under `dots`, and without
-    recomputation at least 1.5x the formula (autodiff also keeps the fp32 norms and rotations and
-    every elementwise output), which is why the planner traces it rather than trusting the formula.
+    recomputation at least 1.5x the formula (autodiff also keeps the rotated queries and keys, the
+    attention's residuals and the MLP activation's coefficients), which is why the planner traces
+    it rather than trusting the formula.
     With segment-aware attention, whose flash recurrence keeps no logits (dense attention's
     `dots` also keep the attention logits, which the formula leaves out)."""
     from xlaopt.execution import ExecutionConfig

@@ -2,12 +2,14 @@
 
 The planner's memory formula (`price.memory_parts`) counts a layer's activations from the
 model's shape. That is exact where the recomputation policy keeps only matmul outputs or the
-layer input, but without recomputation JAX's autodiff keeps far more than the matmul outputs:
-RMSNorm's fp32 upcast and normalised value, the fp32 query and key norms and rotations, every
-elementwise output of the MLP (about 2x the formula on Cosmos 3, and XLA's compiled loop carries
-nearly all of it). So the planner traces the program's loss under each policy (the residuals
-of its vjp, as `jax.ad_checkpoint.print_saved_residuals` lists them; abstract shapes: nothing is
-compiled or allocated) and takes the bytes the layer stack saves per token, unsharded.
+layer input, but without recomputation JAX's autodiff keeps more than the matmul outputs: the
+rotated queries and keys, the attention's own residuals, the MLP activation's coefficients
+(`layers._swiglu`; RMSNorm keeps only its input, `layers.rms_norm`). Since 2026-12-06 that is
+46 bytes a token a layer per d_model on llama3-8b and cosmos3-nano in bf16; it was 79 and 84
+while autodiff also kept the norms' fp32 values and every elementwise output of the MLP. So the
+planner traces the program's loss under each policy (the residuals of its vjp, as
+`jax.ad_checkpoint.print_saved_residuals` lists them; abstract shapes: nothing is compiled or
+allocated) and takes the bytes the layer stack saves per token, unsharded.
 
 Per token: the residuals of a batch one row longer less those of the batch (the weights' cast
 copies, which the stack also saves, are the same in both and cancel), over the row's tokens and
