@@ -360,7 +360,7 @@ def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=No
     if not priced:
         raise UserError("no modelled rows to fit")
     price = compiled_price(_compiled_steps(priced, method, target, log)) if method == "compiled" else predict
-    fitted = (fit(priced, cm.FITTED, price, COMPILED_TOLERANCE) if method == "compiled" else fit(priced))
+    fitted = fit(priced, cm.FITTED, price, COMPILED_TOLERANCE) if method == "compiled" else fit(priced)
     rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
     literal = "FITTED = Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
     return dict(rows=[p.run.id for p in priced], method=method, fitted=dataclasses.asdict(fitted),
@@ -369,7 +369,7 @@ def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=No
                 objective_frozen=objective(priced, cm.FITTED, price), literal=literal)
 
 
-def _compiled_steps(priced: list[Priced], method: str, target: str, log=None) -> dict:
+def _compiled_steps(priced: list[Priced], method: str, target: str, log=None, attention: str = "kernel") -> dict:
     """Row id -> its compiled step or why not (`compile_rows`, `calibrate_gpu.compile_rows`); {}
     for the analytic method."""
     if method != "compiled":
@@ -378,7 +378,7 @@ def _compiled_steps(priced: list[Priced], method: str, target: str, log=None) ->
         from xlaopt.analysis.calibrate_gpu import compile_rows as compile_gpu_rows
 
         return compile_gpu_rows(priced, log)
-    return compile_rows(priced, log=log)
+    return compile_rows(priced, attention, log)
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -395,8 +395,7 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         raise UserError(f"calibration target {target!r}; use one of {', '.join(TARGETS)}")
     prepared = [(run, prepare(run)) for run in runs]
     priced = [p for _, p in prepared if isinstance(p, Priced)]
-    steps = (compile_rows(priced, attention, log) if method == "compiled" and target == "cpu"
-             else _compiled_steps(priced, method, target, log))
+    steps = _compiled_steps(priced, method, target, log, attention)
     rows = []
     for run, p in prepared:
         # Which schedule facts the row did not state (priced at SCHEDULE_DEFAULTS), on every row;
