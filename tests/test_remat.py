@@ -119,3 +119,21 @@ def test_named_policies_are_priced_by_what_they_recompute():
               "full")
     assert [saved[name] for name in ladder] == sorted((saved[name] for name in ladder), reverse=True)
     assert saved["none"] > saved["selective_megatron"] > saved["minimal_with_context"]
+
+
+def test_without_recomputation_norms_and_the_activation_keep_what_fused_kernels_keep():
+    """`none` keeps, of the norms, their bf16 inputs and outputs only (autodiff of the fp32 norm
+    kept its fp32 input and normalised value), and of the MLP two [tokens, mlp_dim] arrays for the
+    activation's backward and its output for the down projection's (autodiff kept six)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    config = get_config("llama-tiny", {"num_layers": 1})
+    program = TrainProgram(config, MeshSpec(), settings=TrainSettings(batch=family_of(config).default_batch(config)),
+                           execution=ExecutionConfig(remat="none", layer_stack="unrolled", compute_dtype="bfloat16"))
+    params, _ = step.abstract_params_with_axes(program)
+    net, family, key = step.make_model(program), family_of(program.model), jax.random.key(0)
+    kept = [aval for aval, _ in saved_residuals(lambda w, x: family.loss(net, w, family.with_draws(x, key), key)[0],
+                                                params, step.abstract_batch(program)) if aval.ndim == 3]
+    rows = kept[0].shape[:2]
+    assert sum(a.shape == (*rows, config.mlp_dim) for a in kept) == 3
+    assert {a.dtype.name for a in kept if a.shape == (*rows, config.d_model)} == {"bfloat16"}
