@@ -69,12 +69,16 @@ class _KnownStep:
                                                + (1 - self.share) * 0.55 / eff.matmul_max)}
 
 
-def test_the_compiled_method_fits_and_leaves_out_on_its_own_prices():
+def test_the_compiled_method_fits_and_leaves_out_on_its_own_prices(monkeypatch):
     """The compiled method's fit and its leave-one-out refits run on the compiled rows' prices
     (`compiled_price`), not the analytic model's: rows whose compiled prices follow known
-    efficiencies get them back, and each left-out row is then predicted to within the tolerance."""
+    efficiencies get them back, and each left-out row is then predicted to within the tolerance.
+    `--fit --method compiled` prints its fit as what it is, never as FITTED to paste."""
     priced = [cal.prepare(r) for r in cal.read_runs(RUNS)]
     steps = {p.run.id: _KnownStep(p.run, share) for p, share in zip(priced, (0.1, 0.3, 0.2, 0.4, 0.15, 0.25))}
+    monkeypatch.setattr(cal, "_compiled_steps", lambda *args: steps)
+    literal = cal.refit(cal.read_runs(RUNS), method="compiled", target="gpu")["literal"]
+    assert literal.startswith("Efficiency(") and literal.endswith("  # the compiled method's fit, not FITTED")
     price = cal.compiled_price(steps)
     assert price(priced[0], cm.FITTED) != cal.predict(priced[0], cm.FITTED)
     assert price(priced[-1], cm.FITTED) == cal.predict(priced[-1], cm.FITTED)  # not compiled: analytic
@@ -449,6 +453,50 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     forward = 4.0 * 4 * 64 * 1 * (256 * 257 // 2)
     fused = sorted({op.flops for op in steps["X1"].schedule.ops if op.fused_attention})
     assert fused == [forward, 2.5 * forward]
+
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomputation(tmp_path, monkeypatch):
+    """XLA's GPU compiler clones work to squeeze a step into the device's memory (seen here with its
+    limit cut to 1%), and `NO_MEMORY_REMAT` turns that off. A row whose compiled step is over its HBM
+    all the same is compiled again without it, and says so; a row that fits keeps it."""
+    import re
+
+    from xlaopt.analysis import analyze, calibrate_gpu
+    from xlaopt.analysis.topology import preset
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.models.decoder import DecoderConfig
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    program = TrainProgram(DecoderConfig(name="t", vocab_size=1024, d_model=256, num_layers=2, num_heads=4,
+                                         num_kv_heads=4, mlp_dim=1024), MeshSpec.of(fsdp=2), target="gpu",
+                           settings=TrainSettings(batch=BatchShape(16, 4096, 0)),
+                           compiler_options={"xla_gpu_memory_limit_slop_factor": 1})
+    clones = lambda p: len(re.findall(r"\.remat\d* = ", analyze.compiled_for(p, preset("h100", 1, 2), "gpu")[0]
+                                      .train_step.as_text()))
+    assert clones(program) > 0
+    assert clones(program.replace(compiler_options=program.compiler_options.merged(calibrate_gpu.NO_MEMORY_REMAT))) == 0
+
+    compiled_with = []
+    compiled_for = analyze.compiled_for
+    monkeypatch.setattr(analyze, "compiled_for", lambda p, *a: compiled_with.append(dict(p.compiler_options)) or
+                        compiled_for(p, *a))
+    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
+             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
+             "micro_batch": "1"}
+    row = cal.prepare(cal.read_runs(_write(tmp_path / "runs.csv", [small]))[0])
+    fits = calibrate_gpu.compile_gpu_step(row)
+    assert len(compiled_with) == 1 and "xla_disable_hlo_passes" not in compiled_with[0]
+    assert not any("GiB per device" in note for note in fits.approximations)
+    over = {"arguments": 0, "outputs": 0, "aliased": 0, "temp": 0, "peak_estimate": 2 * row.topology.device.hbm_bytes}
+    monkeypatch.setattr(analyze, "memory_of", lambda executable: over)
+    squeezed = calibrate_gpu.compile_gpu_step(row)
+    assert compiled_with[-1]["xla_disable_hlo_passes"] == "rematerialization" and len(compiled_with) == 3
+    assert squeezed.approximations[-1] == (
+        "the compiled step needs 149.0 GiB per device of 74.5 with XLA's memory-pressure recomputation: it keeps more "
+        "than the row's framework did (priced compiled without that recomputation, as the row ran)")
 
 
 def test_the_held_out_runs_are_priced_out_of_sample_within_the_issue_targets():

@@ -7,12 +7,11 @@ shape, batch, parallel degrees, recomputation, precision, and the measured `step
 
 - "analytic" (the default; seconds for all rows): `xlaopt.analysis.analytic.price_step`, which also
   prices what xlaopt does not build (pipeline bubble and stage sends, context-parallel rings).
-- "compiled": where the layout is one xlaopt builds (data / FSDP / tensor parallel, at most 512
-  devices, bf16), xlaopt's generic decoder at the row's full size is compiled on a mesh with the
-  row's degrees and the HLO priced by the schedule simulator with the same efficiencies
-  (`xlaopt.analysis.calibrate_compiled`; 10 to 40 s per row on two CPU cores). Other rows fall back to
-  "analytic" with the reason the compiled method could not take them. With `target="gpu"` the
-  whole step compiles deviceless for the row's GPUs (`xlaopt.analysis.calibrate_gpu`).
+- "compiled": xlaopt's generic decoder at the row's full size compiled on a mesh of the row's
+  degrees and its HLO priced by the schedule simulator with the same efficiencies: for the CPU
+  (`xlaopt.analysis.calibrate_compiled`: data / FSDP / tensor parallel, at most 512 devices) or,
+  with `target="gpu"`, deviceless for the row's GPUs (`xlaopt.analysis.calibrate_gpu`). Rows it
+  cannot take fall back to "analytic" with the reason.
 
 Each method is fitted and left out on its own prices (`fit`'s `price`): the compiled method
 re-simulates its rows' kept schedules under each trial of the efficiencies (`compiled_price`).
@@ -223,19 +222,11 @@ def _shape(row: dict, model: str, num) -> tuple[DecoderShape | None, str]:
 def topology_for(run: Run) -> Topology | None:
     """The preset the gpu column names, shaped nodes x gpus_per_node."""
     gpu = run.gpu.lower()
-    if "gb200" in gpu:
-        name = "gb200"
-    elif "b200" in gpu:
-        name = "b200"
-    elif "h100" in gpu and ("96gb" in gpu or "500w" in gpu):
+    if "h100" in gpu and ("96gb" in gpu or "500w" in gpu):
         name = "h100gt"  # H100 96 GB HBM2e at 500 W (TorchTitan's Grand Teton); see topology.py
-    elif "h100" in gpu:
-        name = "h100"
-    elif "h200" in gpu:
-        name = "h200"
-    elif "a100" in gpu:
-        name = "a100"
-    else:
+    else:  # gb200 before b200, which it contains
+        name = next((n for n in ("gb200", "b200", "h100", "h200", "a100") if n in gpu), None)
+    if name is None:
         return None
     return preset(name, math.ceil(run.num_gpus / run.gpus_per_node), run.gpus_per_node)
 
@@ -351,18 +342,28 @@ def compiled_price(steps: dict) -> Callable:
     return price
 
 
+def fitting(method: str, steps: dict) -> tuple[Callable, cm.Efficiency, float]:
+    """(price, start, tolerance) of `method`'s fit on every row: the analytic model's from FIT_START
+    to 1e-9; the compiled method's on its prices (`steps`) from FITTED to `COMPILED_TOLERANCE`."""
+    if method == "compiled":
+        return compiled_price(steps), cm.FITTED, COMPILED_TOLERANCE
+    return predict, FIT_START, 1e-9
+
+
 def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=None) -> dict:
     """`xlaopt calibrate --runs CSV --fit`: `fit` on every modelled row, as `costmodel.FITTED` was
     frozen (analytic: from `FIT_START`; compiled: the rows compiled for `target` and the fit run
     from FITTED to `COMPILED_TOLERANCE`); the values to 3 significant figures (what FITTED holds),
-    the objective at both, and the literal to paste. Nothing in the code changes."""
+    the objective at both, and the literal (the analytic one to paste as FITTED). Nothing in the
+    code changes."""
     priced = [p for p in (prepare(run) for run in runs) if isinstance(p, Priced)]
     if not priced:
         raise UserError("no modelled rows to fit")
-    price = compiled_price(_compiled_steps(priced, method, target, log)) if method == "compiled" else predict
-    fitted = fit(priced, cm.FITTED, price, COMPILED_TOLERANCE) if method == "compiled" else fit(priced)
+    price, start, tolerance = fitting(method, _compiled_steps(priced, method, target, log))
+    fitted = fit(priced, start, price, tolerance)
     rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
-    literal = "FITTED = Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
+    literal = "Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
+    literal = f"FITTED = {literal}" if method == "analytic" else f"{literal}  # the compiled method's fit, not FITTED"
     return dict(rows=[p.run.id for p in priced], method=method, fitted=dataclasses.asdict(fitted),
                 rounded=dataclasses.asdict(rounded), frozen=dataclasses.asdict(cm.FITTED),
                 objective_fitted=objective(priced, fitted, price),
@@ -436,11 +437,9 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         # Each method refits on its own prices. The compiled method's fits are simulations (see
         # COMPILED_TOLERANCE): its all-rows fit runs from FITTED, and each refit without a row
         # starts a fresh simplex (the fit's full first step) at the all-rows fit.
-        price, start, tolerance = predict, FIT_START, 1e-9
+        price, start, tolerance = fitting(method, steps)
         if method == "compiled":
-            price = compiled_price(steps)
-            tolerance = COMPILED_TOLERANCE
-            start = fit(priced, cm.FITTED, price, tolerance)
+            start = fit(priced, start, price, tolerance)
             result["compiled_fit"] = dict(efficiency=dataclasses.asdict(start),
                                           objective=objective(priced, start, price),
                                           objective_frozen=objective(priced, eff, price))

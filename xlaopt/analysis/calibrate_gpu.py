@@ -22,9 +22,18 @@ compiles as xlaopt's SPMD 1F1B loop (the row's 1F1B, or with virtual stages its 
 ticks in lockstep), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
-A compiled step over the row's HBM is priced all the same (the simulator does not see memory)
-and says so among the row's approximations. The schedule is kept, so a row is re-priced under other efficiencies (the leave-one-out refits)
-without compiling again.
+A compiled step over the row's HBM even after XLA's memory-pressure rematerialization (its HLO
+pass `rematerialization`) is compiled again with that pass off (`NO_MEMORY_REMAT`) and priced all
+the same (the simulator does not see memory): the row ran within its HBM, and XLA's recomputation
+there is GEMMs cloned to squeeze a step that keeps more than the row's framework did (xlaopt's
+optimizer keeps fp32 weights on every data rank, and a gradient buffer per micro-batch beside the
+accumulator), which fails all the same. On Llama 3 8B's R11 (150.8 GiB a device of 74.5) XLA
+cloned MLP GEMMs up to three times in each layer (`*.remat`, `.remat2`, `.remat4`: 4.1 s of a
+20.2 s step; raising `xla_gpu_memory_limit_slop_factor` to 400 left them all); with the pass off,
+18.0 s (jax 0.10.2, 2026-12-06). A step that fits keeps XLA's recomputation, which a run of it
+would have (R01, R08 and R14 hold some). A step over HBM says so among the row's approximations;
+the planner drops such steps before pricing them. The schedule is kept, so a row is re-priced
+under other efficiencies (the leave-one-out refits) without compiling again.
 """
 from __future__ import annotations
 
@@ -35,6 +44,11 @@ from xlaopt.analysis import costmodel as cm
 from xlaopt.errors import UserError
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 from xlaopt.transforms.ulysses_attention import ulysses_split
+
+# The compile option that turns XLA's memory-pressure rematerialization off, for a step over the
+# row's HBM all the same (the module docstring);
+# JAX's own `jax_enable_remat_opt_pass=False` sets the same.
+NO_MEMORY_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
 
 def gpu_blocker(priced) -> str:
@@ -172,6 +186,11 @@ def compile_gpu_step(priced) -> GpuStep | str:
         t0 = time.perf_counter()
         program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, priced.topology))
         compiled, lower_s, compile_s = compiled_for(program, priced.topology, "gpu")
+        peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
+        if 0 < hbm < peak:  # over HBM even after XLA's recomputation: compiled again without it
+            program = program.replace(compiler_options=program.compiler_options.merged(NO_MEMORY_REMAT))
+            compiled, lower_again_s, compile_again_s = compiled_for(program, priced.topology, "gpu")
+            lower_s, compile_s = lower_s + lower_again_s, compile_s + compile_again_s
         text = compiled.train_step.as_text()
     except UserError as e:  # the shape or a sharded dimension does not fit the decoder or the mesh
         return f"cannot build the decoder on mesh {mesh}: {e}"
@@ -181,10 +200,10 @@ def compile_gpu_step(priced) -> GpuStep | str:
     work = batch_work(program, whole_rows_batch(program).arrays)
     schedule = build_schedule(text, custom_call_flops=work.custom_call_flops, branch_taken=branches_taken(program))
     notes = approximations(priced)
-    peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
     if 0 < hbm < peak:  # priced all the same: the simulator does not see memory
-        notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f}: "
-                     f"it keeps more for backward than the row's framework did")
+        notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} with "
+                     f"XLA's memory-pressure recomputation: it keeps more than the row's framework did (priced "
+                     f"compiled without that recomputation, as the row ran)")
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
                                                 schedule=time.perf_counter() - t1), notes)
 
