@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from xlaopt.analysis import gpu_aot
 from xlaopt.analysis.hlo import collectives
 from xlaopt.compile import compile_program
 from xlaopt.data.batch import BatchShape
@@ -88,6 +89,47 @@ def test_micro_batches_over_data_reduce_the_gradients_once_and_equal_one_device(
     over_data = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
                  if "data" in c.mesh_axes and any(dims for _, dims in c.shapes)]
     assert over_data and all(c.executions == 1 for c in over_data), [(c.name, c.executions) for c in over_data]
+
+
+def _reduced_in_bfloat16(mesh: str = "data=4,tensor=2", micro_batches: int = 2) -> TrainProgram:
+    name, batch = FAMILIES["decoder"]
+    return TrainProgram(get_config(name, SMALL), MeshSpec.parse(mesh), settings=TrainSettings(batch=batch),
+                        execution=dataclasses.replace(FP32, micro_batches=micro_batches, grad_reduce_dtype="bfloat16"))
+
+
+@needs_devices(8)
+def test_gradients_reduced_over_data_in_bfloat16_equal_one_device_and_are_rounded():
+    """`grad_reduce_dtype=bfloat16`: the accumulated gradients are rounded to bfloat16 to cross
+    data, and the step equals one device's within bfloat16's tolerance (`verify`'s `tolerance_key`),
+    not bit for bit the float32 reduction's. Where the partitioner places the reduction (one
+    micro-batch a step here) the setting is refused with the reason."""
+    from xlaopt.runtime.verify import one_step_grads, tolerance_key
+
+    program = _reduced_in_bfloat16()
+    assert tolerance_key(program.execution) == "bfloat16"
+    laid, _ = check_pass(program, dtype=tolerance_key(program.execution))
+    f32 = run_pipeline(program.replace(execution=dataclasses.replace(program.execution, grad_reduce_dtype="float32")),
+                       pipeline())[0]
+    rounded, exact = one_step_grads(laid)[1], one_step_grads(f32)[1]
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(rounded), jax.tree.leaves(exact)))
+    one, _ = run_pipeline(_reduced_in_bfloat16(micro_batches=1), pipeline())
+    with pytest.raises(UserError, match="grad_reduce_dtype=bfloat16: .* one micro-batch a step"):
+        compile_program(one).lowered  # noqa: B018
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_on_the_gpu_target_gradients_cross_data_as_bfloat16():
+    """On the GPU the all-reduce after the micro-batch loop carries bfloat16, half float32's bytes
+    (XLA:CPU widens it to f32, and the CPU step sums the rounded values as that would)."""
+    from xlaopt.analysis.topology import parse_topology
+    from xlaopt.mesh import MESH_AXES
+
+    program = _reduced_in_bfloat16("data=4").replace(target="gpu")
+    laid, _ = run_pipeline(program, pipeline())
+    text = compile_program(laid, gpu_aot.gpu_mesh(parse_topology("h100:1x8"), laid.mesh.sizes, MESH_AXES)
+                           ).train_step.as_text()
+    reduced = [c for c in collectives(text, laid.mesh.as_dict()) if c.kind == "all-reduce" and c.bytes > 1024]
+    assert reduced and all(dtype == "bf16" for c in reduced for dtype, _ in c.shapes), reduced
 
 
 @needs_devices(8)

@@ -30,6 +30,7 @@ from xlaopt.models.stack import STRATEGIES, StackSpec
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
 DTYPES = ("bfloat16", "float16", "float32")
 TARGETS = ("cpu", "gpu")
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 # The attention each target runs fast: cuDNN's fused kernel is the only fast one on a GPU; on the
 # CPU, dense (the same pairs as any other, without a fused kernel to do better).
 TARGET_ATTENTION = {"cpu": "dense", "gpu": "cudnn"}
@@ -69,6 +70,12 @@ class ExecutionConfig:
     # share: ZeRO-1, Megatron's distributed optimizer (`xlaopt.sharding.over_data`); the updated
     # parameters are all-gathered back onto every replica.
     sharded_optimizer: bool = False
+    # The dtype the data-parallel gradients cross `data` in where xlaopt reduces them itself, once a
+    # step after the micro-batch loop manual over data (`xlaopt.step.accumulate_manual`): bfloat16
+    # sends half float32's bytes, as Megatron-Core does by default (grad_reduce_in_fp32=False).
+    # Accumulation and the optimizer stay float32. Elsewhere XLA's partitioner places the
+    # reduction, and bfloat16 is refused with the reason (`xlaopt.step.why_not_reduced_by_xlaopt`).
+    grad_reduce_dtype: str = "float32"
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.
     loss_scale_init: float = 2.0**15
@@ -76,7 +83,7 @@ class ExecutionConfig:
 
     def __post_init__(self):
         choices = {"compute_dtype": DTYPES, "matmuls": MATMULS, "remat": REMAT_POLICIES, "attention": ATTENTION,
-                   "layer_stack": STRATEGIES}
+                   "layer_stack": STRATEGIES, "grad_reduce_dtype": GRAD_REDUCE_DTYPES}
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise UserError(f"execution setting {field}={getattr(self, field)!r}; use one of {', '.join(valid)}")

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from xlaopt import loss_scale
 from xlaopt.compiler import trace_cache
+from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
@@ -145,13 +146,16 @@ def _summed(one, micro_batches: int):
     return jax.tree.map(lambda t: t / micro_batches, total)
 
 
-def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple):
+def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
+                      reduce=None):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
-    once, after the last. Left to the partitioner, every micro-batch's gradients were all-reduced
-    over it inside that micro-batch's backward, `micro_batches` times a step. The draws are made
-    before, on the whole batch, as one device makes them; `rows`: each batch array's and draw's
-    row dimension."""
+    once, after the last (by `reduce(g, axis)`, a psum by default: `reduced_in`). Left to the
+    partitioner, every micro-batch's gradients were all-reduced over it inside that micro-batch's
+    backward, `micro_batches` times a step. The draws are made before, on the whole batch, as one
+    device makes them; `rows`: each batch array's and draw's row dimension."""
+    reduce = reduce or jax.lax.psum
+
     def accumulated(params, batch, key):
         slices = {name: _micro_batches(x, rows[name], micro_batches) for name, x in batch.items()}
         drawn = jax.vmap(lambda one, i: draws(one, jax.random.fold_in(key, i)))(slices, jnp.arange(micro_batches))
@@ -160,14 +164,27 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
         def local(params, drawn, key):
             # Each rank's loss is its tokens' share of the global mean (`layers.token_mean`).
             with manual_over((axis,)), rows_split_over(other_row_axes):
-                total = _summed(lambda i: grad_fn(params, {n: x[i] for n, x in drawn.items()},
-                                                  jax.random.fold_in(key, i)), micro_batches)
-            return jax.lax.psum(total, axis)
+                loss, metrics, grads = _summed(lambda i: grad_fn(params, {n: x[i] for n, x in drawn.items()},
+                                                                 jax.random.fold_in(key, i)), micro_batches)
+            return (*jax.lax.psum((loss, metrics), axis), jax.tree.map(lambda g: reduce(g, axis), grads))
 
         return jax.shard_map(local, in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=PartitionSpec(),
                              axis_names={axis}, check_vma=False)(params, drawn, key)
 
     return accumulated
+
+
+def reduced_in(dtype: str, target: str):
+    """`reduce(g, axis)` for `accumulate_manual`: each gradient summed over `axis` in `dtype` and
+    returned in its own. XLA:CPU widens a bf16 all-reduce to f32 anyway (its AllReducePromotion),
+    and on jax 0.10.2 aborts the process doing so inside a shard_map manual over some of the mesh's
+    axes ("Invalid binary instruction opcode copy"): on the CPU the rounded gradients are summed
+    in f32, as that promotion would sum them, and the sum rounded."""
+    if dtype == "float32":
+        return jax.lax.psum
+    if target == "cpu":
+        return lambda g, axis: jax.lax.psum(g.astype(dtype).astype(g.dtype), axis).astype(dtype).astype(g.dtype)
+    return lambda g, axis: jax.lax.psum(g.astype(dtype), axis).astype(g.dtype)
 
 
 def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
@@ -196,15 +213,27 @@ def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
     return None
 
 
+def why_not_reduced_by_xlaopt(program: TrainProgram) -> str | None:
+    """Why the step's data-parallel gradients are not reduced by xlaopt itself, once after the
+    micro-batch loop manual over data (`accumulate_manual`; XLA's partitioner places the reduction
+    instead), or None where they are: several micro-batches, a layout the rows can run manual over
+    data in, and no grad transform that has taken data already."""
+    if program.shardings is None:
+        return "the program has no layout yet (run mesh-layout first)"
+    if program.execution.micro_batches == 1 and program.execution.layer_stack == "pipeline":
+        return ("one accumulation step a step (the pipeline's micro-batches run inside it): the partitioner reduces "
+                "its gradients")
+    if program.execution.micro_batches == 1:
+        return "one micro-batch a step: the partitioner reduces each layer's gradients inside the backward"
+    taken = next((t.name for t in program.grad_transforms if getattr(t, "axis", None) == DATA), None)
+    if taken:
+        return f"the grad transform {taken} reduces them over data"
+    return why_rows_not_manual_over_data(program)
+
+
 def _accumulates_manual_over(program: TrainProgram) -> str | None:
-    """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`): several
-    micro-batches, a layout the rows can run manual over data in, and no grad transform that has
-    taken data already."""
-    if program.execution.micro_batches == 1 or program.shardings is None:
-        return None
-    if any(getattr(t, "axis", None) == DATA for t in program.grad_transforms):
-        return None
-    return None if why_rows_not_manual_over_data(program) else DATA
+    """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`)."""
+    return None if why_not_reduced_by_xlaopt(program) else DATA
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
@@ -222,12 +251,18 @@ def build_grad_fn(program: TrainProgram, scale=None):
 
     axes = {name: spec[2] for name, spec in batch_spec(program).items()}
     over = _accumulates_manual_over(program)
+    reduce_dtype = program.execution.grad_reduce_dtype
+    if over is None and reduce_dtype != "float32" and program.shardings is not None:  # (traced before layout too)
+        raise UserError(f"execution setting grad_reduce_dtype={reduce_dtype}: xlaopt reduces data-parallel "
+                        f"gradients itself only after the micro-batch loop manual over data, and here "
+                        f"{why_not_reduced_by_xlaopt(program)}; leave it at float32")
     if over is not None:
         from xlaopt.sharding import batch_axes
 
         rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, over,
-                                 tuple(a for a in batch_axes(program) if a != over))
+                                 tuple(a for a in batch_axes(program) if a != over),
+                                 reduced_in(reduce_dtype, program.target))
     return accumulate(with_draws, program.execution.micro_batches, axes)
 
 

@@ -185,6 +185,7 @@ def compile_gpu_step(priced) -> GpuStep | str:
         check_fits(program, priced.topology)
         t0 = time.perf_counter()
         program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, priced.topology))
+        program, why_fp32 = _reduced_as_the_row(program, sw)
         compiled, lower_s, compile_s = compiled_for(program, priced.topology, "gpu")
         peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
         if 0 < hbm < peak:  # over HBM even after XLA's recomputation: compiled again without it
@@ -199,13 +200,27 @@ def compile_gpu_step(priced) -> GpuStep | str:
     # for rows of one document each (causal across the row, as the frameworks ran them).
     work = batch_work(program, whole_rows_batch(program).arrays)
     schedule = build_schedule(text, custom_call_flops=work.custom_call_flops, branch_taken=branches_taken(program))
-    notes = approximations(priced)
+    notes = approximations(priced) + ([why_fp32] if why_fp32 else [])
     if 0 < hbm < peak:  # priced all the same: the simulator does not see memory
         notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} with "
                      f"XLA's memory-pressure recomputation: it keeps more than the row's framework did (priced "
                      f"compiled without that recomputation, as the row ran)")
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
                                                 schedule=time.perf_counter() - t1), notes)
+
+
+def _reduced_as_the_row(program, software):
+    """`program` with its data-parallel gradients reduced in bfloat16 where the row's framework
+    reduced them so (`Software.grad_reduce_bytes` 2: Megatron-Core's default) and xlaopt reduces
+    them itself; and, where it cannot, what that leaves out ("" otherwise)."""
+    from xlaopt.step import why_not_reduced_by_xlaopt
+
+    if software.grad_reduce_bytes != 2 or program.mesh.size("data") == 1:
+        return program, ""
+    why = why_not_reduced_by_xlaopt(program)
+    if why:
+        return program, f"data-parallel gradients reduced in float32 where the row's framework reduced them in bf16: {why}"
+    return program.replace(execution=dataclasses.replace(program.execution, grad_reduce_dtype="bfloat16")), ""
 
 
 def compile_rows(priced: list, log=None) -> dict:
