@@ -405,6 +405,25 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
     assert "median |error|" in capsys.readouterr().out
 
 
+
+def test_megatron_rows_compile_with_the_vocabulary_megatron_pads(tmp_path):
+    """Megatron-LM and NeMo pad the vocabulary to a multiple of 128 rows a tensor rank
+    (make_vocab_size_divisible_by): GPT-3's 50,257 train as 50,688 on tensor=4 and 50,432 on
+    tensor=2, so those rows build where 50,257 splits over no tensor ranks; other frameworks
+    train the model's own."""
+    from xlaopt.analysis.calibrate_gpu import vocab_as_run
+
+    gpt = {**ROW, "model": "GPT-3 175B", "vocab": "50257", "fsdp": "1", "dp": "2"}
+    rows = [{**gpt, "id": "M1", "framework": "NeMo 24.07", "tp": "4"},
+            {**gpt, "id": "M2", "framework": "Megatron-LM", "tp": "4", "dp": "1", "num_gpus": "4"},
+            {**gpt, "id": "M3", "framework": "Megatron-Bridge", "tp": "4", "vocab": "128256"},
+            {**gpt, "id": "M4", "framework": "MaxText", "tp": "4"},
+            {**gpt, "id": "M5", "framework": "NeMo 24.07", "tp": "2", "dp": "4"}]
+    runs = {r.id: r for r in cal.read_runs(_write(tmp_path / "runs.csv", rows))}
+    assert {k: vocab_as_run(r) for k, r in runs.items()} == {"M1": 50688, "M2": 50688, "M3": 128512, "M4": 50257,
+                                                                  "M5": 50432}
+
+
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
 def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest(tmp_path):
     """A small decoder row compiles whole for two H100s and is priced from XLA's GPU schedule;

@@ -9,7 +9,11 @@ Unlike the CPU target's method (`calibrate_compiled`), nothing is compiled in pa
 the whole step is compiled, its micro-batches (the row's `micro_batch` sequences per data rank,
 as many as the global batch needs) and the optimizer update, on a mesh of the row's data, FSDP
 and tensor degrees with the tensor ranks innermost (the frameworks' order), with the row's
-recomputation as its named policy and its sequence parallelism as the rule table's. cuDNN's fused
+recomputation as its named policy, its sequence parallelism as the rule table's, and its
+data-parallel gradients crossing data in bf16 where its framework reduced them so (Megatron-Core's
+default; `grad_reduce_dtype`, where xlaopt reduces them itself, said among the approximations
+where it cannot); Megatron's and NeMo's rows with their vocabulary padded as those frameworks pad it
+(`vocab_as_run`). cuDNN's fused
 attention calls, which XLA's cost analysis gives no FLOPs, are given those of rows holding one
 document each, causal across the row, as the frameworks train by default and the analytic model
 prices (`priced_batch.whole_rows_batch`).
@@ -91,6 +95,20 @@ def stage_layers(run) -> int:
     layers, pp = run.shape.layers, run.layout.pp
     chunks = pp * run.layout.virtual_stages
     return -(-layers // chunks) * chunks if pp > 1 else layers
+
+
+# Megatron-LM and NeMo (and Megatron-Bridge) pad the vocabulary to a multiple of this many rows per
+# tensor rank (`make_vocab_size_divisible_by`, default 128): GPT-3's 50,257 train as 50,688 on 4.
+_MEGATRON_VOCAB_MULTIPLE = 128
+
+
+def vocab_as_run(run) -> int:
+    """The vocabulary the row's framework trained: Megatron's padded to a multiple of 128 x its
+    tensor ranks; the others' as the model has it."""
+    if not any(name in run.framework.lower() for name in ("megatron", "nemo")):
+        return run.shape.vocab
+    multiple = _MEGATRON_VOCAB_MULTIPLE * run.layout.tp
+    return -(-run.shape.vocab // multiple) * multiple
 
 
 def approximations(priced) -> list[str]:
@@ -179,7 +197,7 @@ def compile_gpu_step(priced) -> GpuStep | str:
                                         pipeline_virtual_stages=layout.virtual_stages,
                                         pipeline_schedule="1f1b")
     try:
-        config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run))
+        config = dataclasses.replace(decoder_config(run), num_layers=stage_layers(run), vocab_size=vocab_as_run(run))
         program = TrainProgram(config, mesh, rules=rules, target="gpu", execution=execution,
                                settings=TrainSettings(batch=BatchShape(layout.global_batch, layout.seq_len, 0)))
         check_fits(program, priced.topology)
