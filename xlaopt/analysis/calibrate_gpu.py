@@ -50,8 +50,7 @@ from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 from xlaopt.transforms.ulysses_attention import ulysses_split
 
 # The compile option that turns XLA's memory-pressure rematerialization off, for a step over the
-# row's HBM all the same (the module docstring);
-# JAX's own `jax_enable_remat_opt_pass=False` sets the same.
+# row's HBM all the same (the module docstring); JAX's `jax_enable_remat_opt_pass=False` sets it too.
 NO_MEMORY_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
 
 
