@@ -12,6 +12,8 @@ from xlaopt.analysis.calibrate_report import format_refit, format_table
 from xlaopt.analysis.topology import parse_topology
 from xlaopt.errors import UserError
 
+from conftest import needs_devices
+
 RUNS = cal.PUBLISHED_RUNS  # shipped with the package
 
 
@@ -405,6 +407,35 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
     assert "median |error|" in capsys.readouterr().out
 
 
+
+@needs_devices(4)
+def test_rows_whose_framework_reduces_in_bf16_compile_so_where_xlaopt_reduces():
+    """A row whose framework reduces its data-parallel gradients in bf16 (`grad_reduce_bytes` 2,
+    Megatron-Core's default) compiles with `grad_reduce_dtype=bfloat16` where xlaopt reduces them
+    itself (the micro-batch loop manual over data); where the partitioner does (one micro-batch),
+    it stays float32 and the row says why; a framework reducing in fp32 changes nothing."""
+    from xlaopt.analysis.calibrate_gpu import _reduced_as_the_row
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.execution import ExecutionConfig
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.models.registry import get_config
+    from xlaopt.pipeline import pipeline, run_pipeline
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    def laid(micro_batches: int):
+        program = TrainProgram(get_config("llama-tiny", {"num_layers": 1}), MeshSpec.parse("data=4"),
+                               settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+                               execution=ExecutionConfig(micro_batches=micro_batches))
+        return run_pipeline(program, pipeline())[0]
+
+    megatron, fp32 = analytic.Software(), analytic.Software(grad_reduce_bytes=4)
+    program, why = _reduced_as_the_row(laid(2), megatron)
+    assert program.execution.grad_reduce_dtype == "bfloat16" and why == ""
+    assert _reduced_as_the_row(laid(2), fp32) == (laid(2), "")
+    program, why = _reduced_as_the_row(laid(1), megatron)
+    assert program.execution.grad_reduce_dtype == "float32"
+    assert why.startswith("data-parallel gradients reduced in float32 where the row's framework reduced them in bf16: "
+                          "one micro-batch a step")
 
 def test_megatron_rows_compile_with_the_vocabulary_megatron_pads(tmp_path):
     """Megatron-LM and NeMo pad the vocabulary to a multiple of 128 rows a tensor rank
