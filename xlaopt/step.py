@@ -147,15 +147,13 @@ def _summed(one, micro_batches: int):
 
 
 def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce=None):
+                      reduce):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
-    once, after the last (by `reduce(g, axis)`, a psum by default: `reduced_in`). Left to the
+    once, after the last (by `reduce(g, axis)`: `reduced_in`'s psum). Left to the
     partitioner, every micro-batch's gradients were all-reduced over it inside that micro-batch's
     backward, `micro_batches` times a step. The draws are made before, on the whole batch, as one
     device makes them; `rows`: each batch array's and draw's row dimension."""
-    reduce = reduce or jax.lax.psum
-
     def accumulated(params, batch, key):
         slices = {name: _micro_batches(x, rows[name], micro_batches) for name, x in batch.items()}
         drawn = jax.vmap(lambda one, i: draws(one, jax.random.fold_in(key, i)))(slices, jnp.arange(micro_batches))
@@ -250,18 +248,18 @@ def build_grad_fn(program: TrainProgram, scale=None):
         return fn(params, family.with_draws(batch, key), key)
 
     axes = {name: spec[2] for name, spec in batch_spec(program).items()}
-    over = _accumulates_manual_over(program)
+    why_not = why_not_reduced_by_xlaopt(program)
     reduce_dtype = program.execution.grad_reduce_dtype
-    if over is None and reduce_dtype != "float32" and program.shardings is not None:  # (traced before layout too)
+    if why_not and reduce_dtype != "float32" and program.shardings is not None:  # (traced before layout too)
         raise UserError(f"execution setting grad_reduce_dtype={reduce_dtype}: xlaopt reduces data-parallel "
                         f"gradients itself only after the micro-batch loop manual over data, and here "
-                        f"{why_not_reduced_by_xlaopt(program)}; leave it at float32")
-    if over is not None:
+                        f"{why_not}; leave it at float32")
+    if not why_not:
         from xlaopt.sharding import batch_axes
 
         rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
-        return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, over,
-                                 tuple(a for a in batch_axes(program) if a != over),
+        return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
+                                 tuple(a for a in batch_axes(program) if a != DATA),
                                  reduced_in(reduce_dtype, program.target))
     return accumulate(with_draws, program.execution.micro_batches, axes)
 
