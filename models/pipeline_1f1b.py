@@ -14,9 +14,11 @@ straight from the tail. Activations go up the ring and cotangents down it, one `
 way a tick; M + 2P - 2 ticks. A forward keeps its `jax.vjp` residuals in a ring of
 min(M, 2P - 1) slots that its backward reads back (stage 0 holds a micro-batch longest, 2P - 2
 ticks); residuals that depend on the weights alone (their casts, their transposes) are computed
-once a step, not kept per slot. Each stage's forward, tail and backward sit under `lax.cond` (the
-sends outside it), so a stage that has nothing to run in a tick runs nothing: a tick costs the
-busiest stage's work, and the step (M + P - 1) (F + B), GPipe's.
+once a step, not kept per slot, and so is what a forward reads of the weights (their casts to the
+compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again.
+Each stage's forward, tail and backward sit under `lax.cond` (the sends outside it), so a stage
+that has nothing to run in a tick runs nothing: a tick costs the busiest stage's work, and the
+step (M + P - 1) (F + B), GPipe's.
 
 Two writes stay outside the conditionals, for XLA's GPU compile (calibration row N10, an 80.2 s
 step before either): a bubble tick's forward writes its zeros into a spare slot past the ring,
@@ -44,8 +46,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
-from jax.interpreters import partial_eval as pe
+from jax._src.interpreters.partial_eval import partial_eval_jaxpr_nounits  # not in jax's public module (0.10.2)
+from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import STAGE
@@ -121,34 +123,62 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
     return loss_of(params_L, tail_params, carry, args, tail_args, extra)
 
 
-def _residual_split(fwd: Callable, params_k, x, a_float, a_rest):
-    """(per_microbatch, once_of, rebuild, kept_avals) for the vjp residuals of `fwd(params_k, x,
-    a_float, a_rest)` (differentiated in the first three): which of its leaves depend on the
-    micro-batch, `once_of(params_k)` the others (computed once a step, from the weights alone),
-    `rebuild(once, kept) -> vjp` from both, and the kept leaves' shapes. A leaf depends on the
-    micro-batch where the jaxpr that makes it, dead code removed, reads one of its inputs."""
-    def vjp_of(p, x, af, ar):
-        return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)[1]
+def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
+    """`fwd(params_k, x, a_float, a_rest)` and its vjp (differentiated in the first three) split
+    by JAX's partial evaluation into what depends on the weights alone and what on the
+    micro-batch: (once_of, forward_of, rebuild, kept_avals).
+
+    `once_of(params_k) -> (once, held)` is the weights' part, run once a step: `once` the vjp
+    residuals made of the weights alone (their casts, their transposes), `held` what the forward
+    reads of them (the weights cast to the compute dtype, or quantized to fp8 with their scales).
+    `forward_of(held, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch: the
+    output and the residuals that depend on the micro-batch, shaped `kept_avals`.
+    `rebuild(once, kept)` is the vjp. Each tick's forward sliced its chunk of the fp32 weights
+    and cast them again before the split (with `_stacked_once`, 1.4 s of calibration row R13's
+    22.5 s step)."""
+    def run(p, x, af, ar):
+        return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)
 
     n_weights = len(jax.tree.leaves(params_k))
-    treedef = jax.tree.structure(jax.eval_shape(vjp_of, params_k, x, a_float, a_rest))
-    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(vjp_of(*a)))(params_k, x, a_float, a_rest)
-    n_out = len(closed.out_avals)
-    per_microbatch = [any(pe.dce_jaxpr_consts(closed.jaxpr, [j == i for j in range(n_out)])[2][n_weights:])
-                      for i in range(n_out)]
-    jaxpr, used_consts, used_inputs = pe.dce_jaxpr_consts(closed.jaxpr, [not v for v in per_microbatch])
-    consts = [c for c, u in zip(closed.consts, used_consts) if u]
-    weights_used = used_inputs[:n_weights]  # and no input past them: no such leaf reads the micro-batch
+    y_shape, vjp_shape = jax.eval_shape(run, params_k, x, a_float, a_rest)
+    n_y, treedef = len(jax.tree.leaves(y_shape)), jax.tree.structure(vjp_shape)
+    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(run(*a)))(params_k, x, a_float, a_rest)
+    unknown_in = [i >= n_weights for i in range(len(closed.in_avals))]
+    known, unknown, out_unknown, _ = partial_eval_jaxpr_nounits(closed, unknown_in, instantiate=False)
+    y_unknown, per_microbatch = out_unknown[:n_y], out_unknown[n_y:]
+    assert all(y_unknown), "the layers' output does not depend on their input"
+    n_once = sum(not u for u in per_microbatch)
+    known_fn, unknown_fn = jaxpr_as_fun(known), jaxpr_as_fun(unknown)
 
     def once_of(params):
-        used = [w for w, u in zip(jax.tree.leaves(params), weights_used) if u]
-        return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*used)
+        outs = known_fn(*jax.tree.leaves(params))
+        return list(outs[:n_once]), list(outs[n_once:])
+
+    def forward_of(held, x, af, ar):
+        outs = unknown_fn(*held, *jax.tree.leaves((x, af, ar)))
+        return jax.tree.unflatten(jax.tree.structure(y_shape), outs[:n_y]), list(outs[n_y:])
 
     def rebuild(once, kept):
         it_once, it_kept = iter(once), iter(kept)
         return jax.tree.unflatten(treedef, [next(it_kept) if v else next(it_once) for v in per_microbatch])
 
-    return per_microbatch, once_of, rebuild, [a for a, v in zip(closed.out_avals, per_microbatch) if v]
+    kept_avals = [a for a, v in zip(closed.out_avals[n_y:], per_microbatch) if v]
+    return once_of, forward_of, rebuild, kept_avals
+
+
+def _stacked_once(once_of: Callable, chunks, chunk: Callable, V: int):
+    """(once, held) of `_split_on_weights` for each of the V chunks, stacked [V, ...]. `held` is
+    computed apart from `once` (behind an optimization barrier, so XLA does not merge the two),
+    though both hold the same casts: the forward's GEMMs and the backward's read the same fp8
+    weights in different layouts (the contracted dimension innermost), and one shared stack made
+    XLA transpose all V chunks of it inside every tick (calibration row R13: 0.85 s). A stage
+    keeps the casts twice, as Transformer Engine keeps an fp8 weight and its transpose."""
+    def stacked(lists):
+        return [jnp.stack(leaves) for leaves in zip(*lists)]
+
+    apart = jax.lax.optimization_barrier(chunks)
+    return (stacked([once_of(chunk(chunks, v))[0] for v in range(V)]),
+            stacked([once_of(chunk(apart, v))[1] for v in range(V)]))
 
 
 def _zeros_of(fn: Callable, *operands) -> Callable:
@@ -225,12 +255,12 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return inner(layer_fn, p, x, jax.tree.unflatten(a_def, [next(it_f) if d else next(it_r) for d in diff]))
 
         x0 = take(carry_M, 0)
-        per_mb, once_of, rebuild, kept_avals = _residual_split(fwd, chunk(chunks, 0), x0, *parts(take(args_M, 0)))
-        once = [jnp.stack(leaves) for leaves in zip(*(once_of(chunk(chunks, v)) for v in range(V)))]
+        once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, chunk(chunks, 0), x0,
+                                                                     *parts(take(args_M, 0)))
+        once, held = _stacked_once(once_of, chunks, chunk, V)
 
         def forward(x, af, ar, v):
-            y, vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, ar), chunk(chunks, v), x, af)
-            return y, [r for r, keep in zip(jax.tree.leaves(vjp), per_mb) if keep]
+            return forward_of(chunk(held, v), x, af, ar)
 
         def tail_grad(y, ta):
             (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(

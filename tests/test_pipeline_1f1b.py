@@ -168,3 +168,51 @@ def test_the_compiled_decoder_step_sends_both_ways_each_tick_and_prices_the_busi
     assert all(v > 0 for v in part.values()), part
     assert flops(rules) == pytest.approx(none + 5 * part["forward"] + 4 * part["tail"] + 5 * part["backward"])
     assert flops(rules) < build_schedule(text).flops  # the heaviest branch at every tick
+
+
+def _walk(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _walk(inner)
+
+
+def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
+    """A layer that computes in bf16 from fp32 weights (a scan over a chunk's 2 layers, as the
+    loop runs a chunk): `_split_on_weights` casts them in `once_of`, once a step, and the
+    forward a tick runs reads the casts: it converts no weight-shaped fp32 array, where the
+    unsplit forward did at every tick. Its output and the vjp rebuilt from `once` and what the
+    forward keeps are the unsplit ones, bit for bit."""
+    from xlaopt.models.pipeline_1f1b import _split_on_weights
+
+    def layer(w_DD, x_BTD, s_BTD, ids_BT):
+        return _layer(w_DD.astype(jnp.bfloat16), x_BTD, s_BTD.astype(jnp.bfloat16), ids_BT).astype(x_BTD.dtype)
+
+    def fwd(p, x, af, ar):
+        return scan_layers(layer, p, x, (af[0], ar[0]))
+
+    rng = np.random.default_rng(1)
+    w, x, s = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, D, D), (B, T, D), (B, T, D)))
+    ids = jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32)
+    once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, w, x, [s], [ids])
+    once, held = once_of(w)
+    assert {h.dtype for h in held} == {jnp.dtype(jnp.bfloat16)}  # the casts alone, not the fp32 weights
+    weight_converts = [e for e in _walk(jax.make_jaxpr(forward_of)(held, x, [s], [ids]).jaxpr)
+                       if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float32
+                       and e.invars[0].aval.shape[-2:] == (D, D)]
+    assert weight_converts == []
+    unsplit_converts = [e for e in _walk(jax.make_jaxpr(lambda w: fwd(w, x, [s], [ids]))(w).jaxpr)
+                        if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape[-2:] == (D, D)]
+    assert unsplit_converts  # the check above can fail: the unsplit forward casts the weights
+
+    y, kept = forward_of(held, x, [s], [ids])
+    assert [k.shape for k in kept] == [a.shape for a in kept_avals]
+    want_y, want_vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, [ids]), w, x, [s])
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+    dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
+    for got, want in zip(jax.tree.leaves(rebuild(once, kept)(dy)), jax.tree.leaves(want_vjp(dy))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
