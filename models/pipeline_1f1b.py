@@ -192,20 +192,24 @@ def _zeros(tree):
 
 
 def _in_chunks(params_k, stages: int, V: int):
-    """(chunks, chunk, to_contiguous): this stage's weights as [V, k / V, ...] chunks in round
-    order (`pipeline._to_round_order`; [1, k, ...] without virtual stages), `chunk(tree, v)` the
-    v-th of them (of any tree stacked so), and the transpose that takes the chunks' gradients
-    back to the stage's contiguous layers."""
-    def to_chunks(w):
-        return jax.tree.map(lambda x: _to_round_order(x, stages, V).reshape(V, x.shape[0] // V, *x.shape[1:])
-                            if V > 1 else x[None], w)
+    """(own, chunk, to_round, to_contiguous): this stage's weights as [V, k / V, ...] chunks in its
+    own order ([1, k, ...] without virtual stages), `chunk(tree, v)` the v-th of any tree stacked
+    so, `to_round(tree)` such a tree in round order (chunk vP + p is stage p's v-th,
+    `pipeline._to_round_order`), and the transpose that takes gradients of the chunks in round
+    order back to the stage's contiguous layers. What crosses the stages forward is what each
+    stage makes of its own chunks once a step (`_stacked_once`: the casts to bf16 or fp8), not
+    the fp32 weights (calibration row R13 sent 2 x 18 GB a device over InfiniBand, 2.7 s)."""
+    def own_of(w):
+        return jax.tree.map(lambda x: x.reshape(V, x.shape[0] // V, *x.shape[1:]), w)
 
-    chunks, to_contiguous = jax.vjp(to_chunks, params_k)
+    def to_round(tree):
+        return jax.tree.map(lambda x: _to_round_order(x, stages, V), tree) if V > 1 else tree
 
     def chunk(tree, v):  # without virtual stages a static index: the one chunk is the stage's weights
         return jax.tree.map(lambda x: x[v if V > 1 else 0], tree)
 
-    return chunks, chunk, to_contiguous
+    to_contiguous = jax.linear_transpose(lambda w: to_round(own_of(w)), params_k)
+    return own_of(params_k), chunk, to_round, to_contiguous
 
 
 def _add_at(d, i, g):
@@ -239,7 +243,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
     down = [(b, a) for a, b in up]
 
     def local(params_k, tail_params, carry, args, tail_args, extra):
-        chunks, chunk, to_contiguous = _in_chunks(gather(params_k) if gather is not None else params_k, P, V)
+        own, chunk, to_round, to_contiguous = _in_chunks(gather(params_k) if gather is not None else params_k, P, V)
         carry_M, args_M, tail_args_M = (jax.tree.map(split, t) for t in (carry, args, tail_args))
         stage = jax.lax.axis_index(STAGE)
         first, last = stage == 0, stage == P - 1
@@ -255,9 +259,9 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return inner(layer_fn, p, x, jax.tree.unflatten(a_def, [next(it_f) if d else next(it_r) for d in diff]))
 
         x0 = take(carry_M, 0)
-        once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, chunk(chunks, 0), x0,
+        once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, chunk(own, 0), x0,
                                                                      *parts(take(args_M, 0)))
-        once, held = _stacked_once(once_of, chunks, chunk, V)
+        once, held = to_round(_stacked_once(once_of, own, chunk, V))
 
         def forward(x, af, ar, v):
             return forward_of(chunk(held, v), x, af, ar)
@@ -300,7 +304,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return (sent_y, sent_dy, ring, acc), None
 
         ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
-        acc = (_zeros(chunks), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
+        acc = (_zeros(own), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         d_chunks, *rest = acc
