@@ -213,10 +213,21 @@ def _in_chunks(params_k, stages: int, V: int):
 
 
 def _add_at(d, i, g):
-    """`d[i] += g` by a dynamic slice and update, in place. As a scatter-add (`d.at[i].add`), XLA's
-    partitioner lost the accumulator's tensor split on the GPU target and all-reduced the
-    gradients over `tensor` every tick (calibration row N03: 3.9x the tensor bytes)."""
-    return jax.lax.dynamic_update_index_in_dim(d, jax.lax.dynamic_index_in_dim(d, i, 0, keepdims=False) + g, i, 0)
+    """`d[i] += g` as a scatter-add of the one index, which XLA's GPU compile fuses into one
+    in-place update: the slice read, added and written back. As a dynamic slice and a dynamic
+    update of the same buffer it copied the slice out first, in a fusion of its own (calibration
+    row R13: 1.2 s of its step). The accumulators start from the weights times zero
+    (`_accumulators`), or the partitioner loses their tensor split at the scatter."""
+    return d.at[i].add(g, indices_are_sorted=True, unique_indices=True)
+
+
+def _accumulators(chunks):
+    """Zero gradient accumulators shaped and split like `chunks`: `0 * w`, not a fresh zero, so
+    that XLA's partitioner splits each over the tensor ranks as it splits the weight. From
+    `zeros_like`, it lost the split at the scatter-add and all-reduced the gradients over `tensor`
+    at every tick (calibration row N03: 3.9x the tensor bytes). XLA keeps the product (x * 0 is
+    not 0 for an infinite or NaN x); it costs one pass over the weights a step."""
+    return jax.tree.map(lambda w: w * jnp.zeros((), w.dtype), chunks)
 
 
 def _reduced(acc, summed: tuple[str, ...]):
@@ -304,7 +315,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             return (sent_y, sent_dy, ring, acc), None
 
         ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
-        acc = (_zeros(own), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
+        acc = (_accumulators(own), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         d_chunks, *rest = acc

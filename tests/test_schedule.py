@@ -301,6 +301,19 @@ def test_a_cache_read_and_updated_through_a_bitcast_counts_the_slice_only():
     assert ops["write"].bytes == 2 * layer + 4  # the update read and written in place, and the index
 
 
+def test_a_slice_added_to_and_written_back_in_place_counts_the_slice_not_the_buffer():
+    """XLA's in-place `d[i] += g` (a one-index scatter-add's fusion): the buffer is read through
+    its slice and updated in place, so the fusion moves the slice read, the update read and the
+    slice written, not the whole buffer (here 80 slices)."""
+    text = BITCAST_CACHE.replace("""  ROOT %dus = bf16[80,128,8]{2,1,0} dynamic-update-slice(%b, %param_1, %param_2, %z, %z)""",
+                                 """  %old = bf16[1,128,8]{2,1,0} dynamic-slice(%b, %param_2, %z, %z), dynamic_slice_sizes={1,128,8}
+  %sum = bf16[1,128,8]{2,1,0} add(%old, %param_1)
+  ROOT %dus = bf16[80,128,8]{2,1,0} dynamic-update-slice(%b, %sum, %param_2, %z, %z)""")
+    assert text != BITCAST_CACHE
+    write = next(op for op in build_schedule(text).ops if op.name == "write")
+    layer = 8 * 128 * 2
+    assert write.bytes == 3 * layer + 4  # the slice and the update read, the slice written, the index
+
 # XLA's GPU pipeline peels a micro-batch scan's first iteration and leaves the rest without
 # `known_trip_count`: the same loop as HLO's, counting up from 1 through fusions and copies.
 _COUNTED = (HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")

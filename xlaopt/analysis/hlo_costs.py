@@ -158,7 +158,8 @@ class HloReader:
     def _fusion_access(self, comp: str) -> tuple[dict[int, int], int | None]:
         """For a fused computation: parameter index -> bytes actually touched (a parameter read
         only through dynamic-slices, bitcasts aside, counts the slices; the buffer of an in-place
-        dynamic-update-slice counts 0), and the bytes written when the root updates in place."""
+        dynamic-update-slice counts 0, or its slices where the fusion reads it through them too),
+        and the bytes written when the root updates in place."""
         instrs = self.comps.get(comp, [])
         params = {}
         for ins in instrs:
@@ -181,10 +182,11 @@ class HloReader:
         access: dict[int, int] = {}
         for name, idx in params.items():
             uses = through_bitcasts(name)
-            if uses and all(u.opcode == "dynamic-slice" and k == 0 for u, k in uses):
-                access[idx] = sum(hlo.shape_bytes(u.result) for u, _ in uses)
-            elif uses and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in uses):
-                access[idx] = 0
+            # Read through its slices alone; the buffer an in-place update writes into is not
+            # read, also where the fusion slices the same buffer (XLA's in-place `d[i] += g`,
+            # what a scatter-add of one index becomes: the slice read, added and written back).
+            if uses and all(u.opcode in ("dynamic-slice", "dynamic-update-slice") and k == 0 for u, k in uses):
+                access[idx] = sum(hlo.shape_bytes(u.result) for u, _ in uses if u.opcode == "dynamic-slice")
         root = next((i for i in instrs if i.is_root), None)
         written = None
         types = self.types.get(comp, {})
