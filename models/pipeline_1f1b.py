@@ -69,7 +69,7 @@ def _no_cotangent(x):
 
 def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: Tail, tail_params, tail_args,
                        extra, microbatches: int, inner: Callable, gather: Callable | None = None,
-                       virtual_stages: int = 1):
+                       virtual_stages: int = 1, like_weights: Callable | None = None):
     """(loss, metrics) of `tail` after the layers of `params_L` ([L, ...] leaves) over `carry`,
     summed over micro-batches, with the loss's gradients by the 1F1B schedule over the stages.
 
@@ -77,7 +77,12 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
     metric (the sum of the shares is the loss, or the metric). `args` and `tail_args` lead with
     the rows like `carry`; `tail_args` and `extra` are data (no gradient flows into them).
     `inner`, `gather` and `virtual_stages` as in `pipeline_layers` (over virtual stages:
-    interleaved 1F1B). One stage: `inner` then `tail` on the whole batch, the same numbers."""
+    interleaved 1F1B). `like_weights(tree)`, where given, lays out a tree shaped like a stage's
+    weights as they are laid out (`gather`'s layout where given): each tick's weight gradients
+    before they are accumulated. Told nothing, XLA's partitioner computed the attention output
+    projection's whole gradient and all-reduced it over `tensor` (calibration row R12, with the
+    accumulators' scatter-add). One stage: `inner` then `tail` on the whole batch, the same
+    numbers."""
     stages = stages_of_mesh()
     if stages == 1:
         return tail(tail_params, inner(layer_fn, params_L, carry, args), tail_args, extra)
@@ -88,7 +93,7 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
             raise ValueError(f"1F1B pipeline: the layer stack's carry must be floating point, got {leaf.dtype}")
     data, seq, row_axes, split, merge = _micro_batching((carry, tail_args), args, schedule.microbatches, stages)
     manual = tuple(a for a in (STAGE, data, seq) if a)
-    run = _loop(layer_fn, tail, inner, gather, schedule, split, data, seq)
+    run = _loop(layer_fn, tail, inner, gather, like_weights, schedule, split, data, seq)
 
     def step(params_L, tail_params, carry, args, tail_args, extra):
         inputs = PartitionSpec(data, seq)
@@ -244,7 +249,7 @@ def _reduced(acc, summed: tuple[str, ...]):
              jax.tree.map(scatter, d_args)))
 
 
-def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data, seq):
+def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedule, split, data, seq):
     """The shard_map's body: (loss, (weight, tail, carry and float args' gradients)) of this device."""
     P, V, units = schedule.stages, schedule.virtual_stages, schedule.virtual_stages * schedule.microbatches
     slots = schedule.saved_ticks
@@ -306,6 +311,7 @@ def _loop(layer_fn, tail, inner, gather, schedule: PipelineSchedule, split, data
             operands = ([r[b_slot % slots] for r in ring], dy, bv)
             with jax.named_scope(BRANCH_SCOPE.format("backward")):
                 dp, dx, da = jax.lax.cond(b_ok, backward, _zeros_of(backward, *operands), *operands)
+            dp = like_weights(dp) if like_weights is not None else dp
             d_chunks = jax.tree.map(lambda d, g: _add_at(d, bv if V > 1 else 0, g), d_chunks, dp)
             d_carry = jax.tree.map(lambda o, n: o.at[bm].add(jnp.where(first & b_ok & (bv == 0), n, 0)), d_carry, dx)
             d_args = [o.at[bm].add(jnp.where(b_ok, n, 0)) for o, n in zip(d_args, da)]

@@ -128,7 +128,7 @@ class LayerStack(nn.Module):
 
         run = STRATEGIES[self.spec.strategy]
         if self.spec.strategy == "pipeline" and self.spec.weights_once:
-            run = functools.partial(run, gather=self._whole_along_embed(layer, carry, args))
+            run = functools.partial(run, gather=self._weights_layout(layer, carry, args))
         return run(self._layer_fn(layer), params_L, carry, args, self.spec)
 
     def loss(self, carry, args: tuple, tail: Tail, tail_params, tail_args, extra):
@@ -139,10 +139,11 @@ class LayerStack(nn.Module):
         if not self.spec.loss_inside or self.is_initializing():
             return tail(tail_params, self(carry, *args), tail_args, extra)
         layer = self._layer()
-        gather = self._whole_along_embed(layer, carry, args) if self.spec.weights_once else None
+        layout = self._weights_layout(layer, carry, args, embed_whole=self.spec.weights_once)
         return pipeline_loss_1f1b(self._layer_fn(layer), nn.meta.unbox(dict(self.variables["params"])), carry, args,
                                   tail, tail_params, tail_args, extra, self.spec.microbatches, inner=scan_layers,
-                                  gather=gather, virtual_stages=self.spec.virtual_stages)
+                                  gather=layout if self.spec.weights_once else None, like_weights=layout,
+                                  virtual_stages=self.spec.virtual_stages)
 
     def _layer_fn(self, layer: nn.Module) -> LayerFn:
         """The pure `(params_i, carry, *args) -> carry` of one layer, hooked and rematerialized
@@ -157,11 +158,13 @@ class LayerStack(nn.Module):
         return self.spec.wrap(layer_fn)
 
     @staticmethod
-    def _whole_along_embed(layer: nn.Module, carry, args) -> Callable:
-        """`params_k -> params_k`: a stage's stacked weights constrained to their logical axes
-        with `embed` (what FSDP splits) whole, so the partitioner gathers each once."""
+    def _weights_layout(layer: nn.Module, carry, args, embed_whole: bool = True) -> Callable:
+        """`params_k -> params_k`: a stage's stacked weights (or a tree shaped so) constrained to
+        their logical axes, with `embed` (what FSDP splits) whole where `embed_whole`, so that the
+        partitioner gathers each once."""
         boxed = jax.eval_shape(lambda c, a: layer.init(jax.random.key(0), c, *a)["params"], carry, args)
         is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
-        names = jax.tree.map(lambda box: ("layers",) + tuple(None if n == "embed" else n for n in box.names),
+        names = jax.tree.map(lambda box: ("layers",) + tuple(None if n == "embed" and embed_whole else n
+                                                             for n in box.names),
                              boxed, is_leaf=is_box)
         return lambda params_k: jax.tree.map(constrain, params_k, names)
