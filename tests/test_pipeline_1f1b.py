@@ -216,3 +216,52 @@ def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
     dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
     for got, want in zip(jax.tree.leaves(rebuild(once, kept)(dy)), jax.tree.leaves(want_vjp(dy))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _half_layer(p, x_BTD, s_BTD, ids_BT):
+    """`_layer` computing in float16 from fp32 weights, beside a scale it reads in fp32 (as a norm
+    reads its own)."""
+    h = _layer(p["w"].astype(jnp.float16), x_BTD.astype(jnp.float16), s_BTD.astype(jnp.float16), ids_BT)
+    return h.astype(jnp.float32) * p["scale"]
+
+
+@needs_devices(8)
+def test_weights_only_cast_run_cast_and_their_gradients_leave_the_backward_narrow():
+    """`_narrowed` casts a weight the layer only casts (to float16 here) and leaves one it reads
+    in fp32, so the loop's forward and backward run on the cast weight. The loop's loss and
+    gradients on stage=2,data=2 (4 micro-batches, 2 virtual stages) equal the unpipelined step's
+    in their dtypes, to float16's rounding of each micro-batch's weight gradient, which the
+    unpipelined step rounds once as one sum over the batch (2^-11 relative each; rtol 4e-3)."""
+    from xlaopt.models.pipeline_1f1b import _narrowed
+
+    rng = np.random.default_rng(2)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {"w": normal(L, D, D) * 0.5, "scale": 1 + 0.1 * normal(L, 1, 1, D)}
+    head, x, s = normal(D, 3), normal(B, T, D), normal(B, T, D)
+    ids, targets = (jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32) for _ in range(2))
+
+    def fwd(p, x, af, ar):
+        return scan_layers(_half_layer, p, x, (af[0], ar[0]))
+
+    chunk = jax.tree.map(lambda a: a[:2], params)
+    narrowed = _narrowed(fwd, chunk, x, [s], [ids])(chunk)
+    assert (narrowed["w"].dtype, narrowed["scale"].dtype) == (jnp.float16, jnp.float32)
+
+    def unpipelined(p, head, x, s):
+        return _tail(head, scan_layers(_half_layer, p, x, (s, ids)), targets, 1.0 / B)
+
+    def pipelined(p, head, x, s):
+        with rows_split_over(("data", "stage")):
+            return pipeline_loss_1f1b(_half_layer, p, x, (s, ids), _tail, head, targets, jnp.float32(1.0 / B), 4,
+                                      inner=scan_layers, virtual_stages=2)
+
+    want = jax.value_and_grad(unpipelined, argnums=(0, 1, 2, 3), has_aux=True)(params, head, x, s)
+    mesh = jax.make_mesh((2, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, NamedSharding(mesh, PartitionSpec("stage")))
+        got = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2, 3), has_aux=True))(placed, head, x, s)
+    assert float(got[0][0]) == pytest.approx(float(want[0][0]), rel=1e-3)
+    for name, a, b in zip(("weights", "tail", "carry", "argument"), want[1], got[1]):
+        for leaf_a, leaf_b in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert leaf_b.dtype == leaf_a.dtype, name
+            np.testing.assert_allclose(np.asarray(leaf_b), np.asarray(leaf_a), rtol=4e-3, atol=4e-3, err_msg=name)
