@@ -208,8 +208,9 @@ def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
     wrote every gradient in fp32 first (calibration row R13: 0.85 s of its step)."""
     closed = jax.make_jaxpr(fwd)(params_k, x, a_float, a_rest)
     found = [_cast_only(closed.jaxpr, v) for v in closed.jaxpr.invars[:len(jax.tree.leaves(params_k))]]
-    dtypes = [d if d is not None and not isinstance(d, str) and jnp.dtype(d).itemsize < jnp.dtype(w.dtype).itemsize
-              else None for d, w in zip(found, jax.tree.leaves(params_k))]
+    narrower = lambda d, w: (d is not None and not isinstance(d, str) and jnp.issubdtype(d, jnp.floating)  # noqa: E731
+                             and jnp.dtype(d).itemsize < jnp.dtype(w.dtype).itemsize)
+    dtypes = [d if narrower(d, w) else None for d, w in zip(found, jax.tree.leaves(params_k))]
 
     def narrow(tree):
         leaves, treedef = jax.tree.flatten(tree)
