@@ -543,10 +543,44 @@ def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomput
     over = {"arguments": 0, "outputs": 0, "aliased": 0, "temp": 0, "peak_estimate": 2 * row.topology.device.hbm_bytes}
     monkeypatch.setattr(analyze, "memory_of", lambda executable: over)
     squeezed = calibrate_gpu.compile_gpu_step(row)
-    assert compiled_with[-1]["xla_disable_hlo_passes"] == "rematerialization" and len(compiled_with) == 3
+    assert calibrate_gpu.AS_IF_IT_FIT.items() <= compiled_with[-1].items() and len(compiled_with) == 3
     assert squeezed.approximations[-1] == (
         "the compiled step needs 149.0 GiB per device of 74.5 with XLA's memory-pressure recomputation: it keeps more "
         "than the row's framework did (priced compiled without that recomputation, as the row ran)")
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_short_of_memory_xlas_scheduler_stops_overlapping_and_as_if_it_fit_restores_it():
+    """XLA's latency-hiding scheduler keeps within a memory limit (the device's memory times
+    `xla_gpu_memory_limit_slop_factor` / 100): cut to 1%, it places no compute between the start
+    and the done of collectives it overlaps otherwise. A row's step over its HBM is compiled with
+    the limit raised (`AS_IF_IT_FIT`), and overlaps what a step that fits would."""
+    from xlaopt.analysis import analyze, calibrate_gpu
+    from xlaopt.analysis.schedule import build_schedule
+    from xlaopt.analysis.topology import preset
+    from xlaopt.context import PassContext
+    from xlaopt.data.batch import BatchShape
+    from xlaopt.mesh import MeshSpec
+    from xlaopt.models.decoder import DecoderConfig
+    from xlaopt.pipeline import pipeline, run_pipeline
+    from xlaopt.program import TrainProgram, TrainSettings
+
+    topology = preset("h100", 1, 2)
+
+    def overlapped(options):  # {start: compute ops between it and its done}
+        program = TrainProgram(DecoderConfig(name="t", vocab_size=1024, d_model=256, num_layers=2, num_heads=4,
+                                             num_kv_heads=4, mlp_dim=1024), MeshSpec.of(fsdp=2), target="gpu",
+                               settings=TrainSettings(batch=BatchShape(16, 4096, 0)), compiler_options=options)
+        program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, topology))
+        text = analyze.compiled_for(program, topology, "gpu")[0].train_step.as_text()
+        return {w["start"]: w["compute_ops_between"] for w in build_schedule(text).async_windows()}
+
+    default = overlapped({})
+    short = overlapped({**calibrate_gpu.NO_MEMORY_REMAT, "xla_gpu_memory_limit_slop_factor": 1})
+    assert default.keys() == short.keys()
+    hidden = {s for s, n in default.items() if n}
+    assert {s for s, n in short.items() if n} < hidden
+    assert overlapped(calibrate_gpu.AS_IF_IT_FIT) == default
 
 
 def test_the_held_out_runs_are_priced_out_of_sample_within_the_issue_targets():

@@ -27,14 +27,16 @@ ticks in lockstep), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
 A compiled step over the row's HBM even after XLA's memory-pressure rematerialization (its HLO
-pass `rematerialization`) is compiled again with that pass off (`NO_MEMORY_REMAT`) and priced all
-the same (the simulator does not see memory): the row ran within its HBM, and XLA's recomputation
+pass `rematerialization`) is compiled again as if it fit (`AS_IF_IT_FIT`: that pass off, and the
+latency-hiding scheduler's memory limit raised past the step's peak) and priced all the same (the
+simulator does not see memory): the row ran within its HBM, and XLA's recomputation
 there is GEMMs cloned to squeeze a step that keeps more than the row's framework did (xlaopt's
 optimizer keeps fp32 weights on every data rank, and a gradient buffer per micro-batch beside the
 accumulator), which fails all the same. On Llama 3 8B's R11 (150.8 GiB a device of 74.5) XLA
 cloned MLP GEMMs up to three times in each layer (`*.remat`, `.remat2`, `.remat4`: 4.1 s of a
 20.2 s step; raising `xla_gpu_memory_limit_slop_factor` to 400 left them all); with the pass off,
-18.0 s (jax 0.10.2, 2026-12-06). A step that fits keeps XLA's recomputation, which a run of it
+18.0 s (jax 0.10.2, 2026-12-06). Short of memory, the scheduler also stops overlapping collectives
+with compute, which the row's framework, within its HBM, did. A step that fits keeps XLA's recomputation, which a run of it
 would have (R01, R08 and R14 hold some). A step over HBM says so among the row's approximations;
 the planner drops such steps before pricing them. The schedule is kept, so a row is re-priced
 under other efficiencies (the leave-one-out refits) without compiling again.
@@ -52,6 +54,12 @@ from xlaopt.transforms.ulysses_attention import ulysses_split
 # The compile option that turns XLA's memory-pressure rematerialization off, for a step over the
 # row's HBM all the same (the module docstring); JAX's `jax_enable_remat_opt_pass=False` sets it too.
 NO_MEMORY_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
+# Such a step compiled as if it fit: without that recomputation, and with the latency-hiding
+# scheduler's memory limit (the device's memory times this factor / 100; XLA's default 95) past any
+# step's peak. Short of memory, the scheduler stops overlapping collectives with compute: R13's
+# stage sends and tensor collectives ran with nothing between their start and done (18.8 s; 16.9 s
+# with the limit raised, jax 0.10.2).
+AS_IF_IT_FIT = {**NO_MEMORY_REMAT, "xla_gpu_memory_limit_slop_factor": 100_000}
 
 
 def gpu_blocker(priced) -> str:
@@ -205,8 +213,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
         program, why_fp32 = _reduced_as_the_row(program, sw)
         compiled, lower_s, compile_s = compiled_for(program, priced.topology, "gpu")
         peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
-        if 0 < hbm < peak:  # over HBM even after XLA's recomputation: compiled again without it
-            program = program.replace(compiler_options=program.compiler_options.merged(NO_MEMORY_REMAT))
+        if 0 < hbm < peak:  # over HBM even after XLA's recomputation: compiled again as if it fit
+            program = program.replace(compiler_options=program.compiler_options.merged(AS_IF_IT_FIT))
             compiled, lower_again_s, compile_again_s = compiled_for(program, priced.topology, "gpu")
             lower_s, compile_s = lower_s + lower_again_s, compile_s + compile_again_s
         text = compiled.train_step.as_text()
