@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from xlaopt.models.attention import attention_through
-from xlaopt.models.layers import batch_mesh_axes, rows_split_over
+from xlaopt.models.layers import batch_mesh_axes, head_mesh_axes, rows_split_over
 from xlaopt.models.masks import Tokens
 from xlaopt.transforms import GradTransform
 
@@ -66,6 +66,15 @@ class UlyssesAttentionTransform(GradTransform):
         # holds its chunk: the all-to-alls run on it as they are.
         split = None if axis in manual else axis
         seq = PartitionSpec(rows or None, split)
+        # Manual over the axes that split the heads too: left automatic, the all-to-alls' split of
+        # the heads met the layout's and XLA's partitioner gathered every head over `tensor`
+        # first (calibration row N11, 8 x 268 MB all-to-alls over InfiniBand a tick).
+        sizes = dict(jax.sharding.get_abstract_mesh().shape)
+        heads = tuple(a for a in head_mesh_axes() if a not in manual and a != axis)
+        ways = math.prod(sizes[a] for a in heads)
+        if q_BLHK.shape[2] % ways or k_BSNK.shape[2] % ways:
+            heads = ()
+        qkv = PartitionSpec(rows or None, split, heads or None)
 
         def local(q, k, v, qt, kt):
             whole = lambda t: Tokens(*(jax.lax.all_gather(a, axis, axis=1, tiled=True) for a in t))  # noqa: E731
@@ -82,13 +91,13 @@ class UlyssesAttentionTransform(GradTransform):
                         for g in range(chunks)]
             return jnp.concatenate(outs, axis=2)
 
-        names = {*rows, *([split] if split else [])}
+        names = {*rows, *([split] if split else []), *heads}
         if not names:
             return local(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
         tokens = Tokens(seq, seq, seq)
         # Unchecked: segment attention's own VJP inside knows nothing of varying axes; every input
         # and the output are split over the axis, so nothing replicated needs the check.
-        return jax.shard_map(local, in_specs=(seq, seq, seq, tokens, tokens), out_specs=seq,
+        return jax.shard_map(local, in_specs=(qkv, qkv, qkv, tokens, tokens), out_specs=qkv,
                              axis_names=names, check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)
 
     def apply(self, grad_fn: Callable) -> Callable:
