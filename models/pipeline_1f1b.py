@@ -145,9 +145,8 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
         return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)
 
     n_weights = len(jax.tree.leaves(params_k))
-    y_shape, vjp_shape = jax.eval_shape(run, params_k, x, a_float, a_rest)
+    closed, (y_shape, vjp_shape) = jax.make_jaxpr(run, return_shape=True)(params_k, x, a_float, a_rest)
     n_y, treedef = len(jax.tree.leaves(y_shape)), jax.tree.structure(vjp_shape)
-    closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(run(*a)))(params_k, x, a_float, a_rest)
     unknown_in = [i >= n_weights for i in range(len(closed.in_avals))]
     known, unknown, out_unknown, _ = partial_eval_jaxpr_nounits(closed, unknown_in, instantiate=False)
     y_unknown, per_microbatch = out_unknown[:n_y], out_unknown[n_y:]
