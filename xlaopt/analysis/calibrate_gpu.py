@@ -36,8 +36,8 @@ accumulator), which fails all the same. On Llama 3 8B's R11 (150.8 GiB a device 
 cloned MLP GEMMs up to three times in each layer (`*.remat`, `.remat2`, `.remat4`: 4.1 s of a
 20.2 s step; raising `xla_gpu_memory_limit_slop_factor` to 400 left them all); with the pass off,
 18.0 s (jax 0.10.2, 2026-12-06). Short of memory, the scheduler also stops overlapping collectives
-with compute, which the row's framework, within its HBM, did. A step that fits keeps XLA's recomputation, which a run of it
-would have (R01, R08 and R14 hold some). A step over HBM says so among the row's approximations;
+with compute, which the row's framework, within its HBM, did. A step that fits keeps XLA's
+recomputation, which a run of it would have (R01, R08 and R14 hold some). A step over HBM says so among the row's approximations;
 the planner drops such steps before pricing them. The schedule is kept, so a row is re-priced
 under other efficiencies (the leave-one-out refits) without compiling again.
 """

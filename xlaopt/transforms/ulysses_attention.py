@@ -6,8 +6,9 @@ output back with another all-to-all.
 XLA's partitioner meets a sequence-split attention by gathering the keys and values over the
 context ranks, and the implementation then sees only its own queries. Here the attention (any
 implementation, by `models.attention`'s wrapper seam) runs in a `shard_map` over the context
-axis (and the axes that split the heads, so each tensor rank moves only its own) on whole rows: each rank holds every token of `kv_heads / context` key-value heads (and their
-query heads, which are contiguous under grouped-query attention). The heads are cut into `chunks`
+axis (and the axes that split the heads, so each tensor rank moves only its own) on whole rows:
+each rank holds every token of `kv_heads / context` key-value heads (and their query heads,
+which are contiguous under grouped-query attention). The heads are cut into `chunks`
 groups whose all-to-alls and attentions are independent, so a GPU schedule can move one group's
 all-to-all under another group's attention. The mask's per-token facts (segment, tower, position)
 are gathered whole: a few integers a token.
