@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from xlaopt.errors import UserError
-from xlaopt.models.layers import batch_mesh_axes, head_mesh_axes
+from xlaopt.models.layers import batch_mesh_axes, head_axes_among
 from xlaopt.models.masks import Tokens
 
 MAX_SEGMENTS = 64  # samples a row may hold by default (`--exec attention_max_segments=...`)
@@ -152,10 +152,7 @@ def cudnn_attention(q_BLHK, k_BSNK, v_BSNK, q_tokens: Tokens, k_tokens: Tokens, 
     rows = tuple(a for a in batch_mesh_axes() if a in rest)
     if q_BLHK.shape[0] % math.prod(sizes[a] for a in rows):
         rows = ()  # rows the mesh cannot split (one row): every device holds them whole
-    heads = tuple(a for a in head_mesh_axes() if a in rest)
-    ways = math.prod(sizes[a] for a in heads)
-    if q_BLHK.shape[2] % ways or k_BSNK.shape[2] % ways:
-        heads = ()  # every device attends all heads of its rows (a layout that cannot split them)
+    heads = head_axes_among(rest, q_BLHK, k_BSNK)
     qkv, row = PartitionSpec(rows or None, None, heads or None, None), PartitionSpec(rows or None)
     return jax.shard_map(call, in_specs=(qkv, qkv, qkv, row, row), out_specs=qkv, axis_names=set(rest),
                          check_vma=False)(q_BLHK, k_BSNK, v_BSNK, q_tokens, k_tokens)

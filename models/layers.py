@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -83,6 +84,16 @@ def head_mesh_axes() -> tuple[str, ...]:
 def heads_split_over(axes: tuple[str, ...]):
     """Context manager naming the mesh axes that split attention heads while a model is traced."""
     return installed(_HEAD_MESH_AXES, tuple(axes))
+
+
+def head_axes_among(axes, *arrays_BLHK) -> tuple[str, ...]:
+    """Of the mesh axes that split attention heads, those in `axes`, for a shard_map over them
+    that keeps each device's heads where the layout put them; none where the heads of one of
+    `arrays_BLHK` (dimension 2) do not split over them all (every device then holds all heads)."""
+    heads = tuple(a for a in head_mesh_axes() if a in axes)
+    sizes = dict(jax.sharding.get_abstract_mesh().shape)
+    ways = math.prod(sizes[a] for a in heads)
+    return () if any(x.shape[2] % ways for x in arrays_BLHK) else heads
 
 
 # The mesh axes a gradient rewrite has made manual (a shard_map over them wraps the whole loss):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from xlaopt.models.attention import attention_through
-from xlaopt.models.layers import batch_mesh_axes, head_mesh_axes, rows_split_over
+from xlaopt.models.layers import batch_mesh_axes, head_axes_among, rows_split_over
 from xlaopt.models.masks import Tokens
 from xlaopt.transforms import GradTransform
 
@@ -70,11 +70,8 @@ class UlyssesAttentionTransform(GradTransform):
         # Manual over the axes that split the heads too: left automatic, the all-to-alls' split of
         # the heads met the layout's and XLA's partitioner gathered every head over `tensor`
         # first (calibration row N11, 8 x 268 MB all-to-alls over InfiniBand a tick).
-        sizes = dict(jax.sharding.get_abstract_mesh().shape)
-        heads = tuple(a for a in head_mesh_axes() if a not in manual and a != axis)
-        ways = math.prod(sizes[a] for a in heads)
-        if q_BLHK.shape[2] % ways or k_BSNK.shape[2] % ways:
-            heads = ()
+        mesh = jax.sharding.get_abstract_mesh()
+        heads = head_axes_among([a for a in mesh.axis_names if a not in manual and a != axis], q_BLHK, k_BSNK)
         qkv = PartitionSpec(rows or None, split, heads or None)
 
         def local(q, k, v, qt, kt):
