@@ -170,6 +170,10 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     return once_of, forward_of, rebuild, kept_avals
 
 
+# Primitives whose inner jaxpr takes their operands one to one (a scan's: consts, carry, xs).
+_ONE_TO_ONE = ("scan", "pjit", "jit", "closed_call", "remat", "checkpoint")
+
+
 def _cast_only(jaxpr, var):
     """The dtype every use of `var` in `jaxpr` casts it to, through layer scans and calls; None
     where nothing uses it, or a reason why it is not only cast."""
@@ -193,10 +197,6 @@ def _cast_only(jaxpr, var):
     if var in jaxpr.outvars:
         return "an output"
     return (dtypes.pop() if len(dtypes) == 1 else "cast to several dtypes") if dtypes else None
-
-
-# Primitives whose inner jaxpr takes their operands one to one (a scan's: consts, carry, xs).
-_ONE_TO_ONE = ("scan", "pjit", "jit", "closed_call", "remat", "checkpoint")
 
 
 def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
