@@ -295,6 +295,27 @@ def test_the_compiled_method_prices_the_recomputed_attention_kernel(tmp_path):
     assert any("selective-megatron" in note for note in approximations(sel))
 
 
+def test_torchtitans_rows_price_their_attention_at_flashattention_2s_rate(tmp_path):
+    """TorchTitan's SDPA ran FlashAttention-2 on Hopper (`frameworks.FRAMEWORKS` gives the
+    sources): its rows' attention runs at `attention_flash2` in both methods, every other row's at
+    `attention`; on an A100, where FlashAttention-2 is the native kernel, at `attention`."""
+    from xlaopt.analysis.calibrate_compiled import CompiledStep, mesh_for
+
+    priced = {p.run.id: p for p in (cal.prepare(r) for r in cal.read_runs(RUNS))}
+    assert {i for i, p in priced.items() if p.software.attention_kernel == "flash2"} == {"R05", "R06", "R08"}
+    slower = {"attention_flash2": dataclasses.replace(cm.FITTED, attention_flash2=cm.FITTED.attention_flash2 / 2),
+              "attention": dataclasses.replace(cm.FITTED, attention=cm.FITTED.attention / 2)}
+    for i, p in priced.items():
+        moved = {k: cal.predict(p, eff) != cal.predict(p, cm.FITTED) for k, eff in slower.items()}
+        assert moved == {"attention_flash2": i in ("R05", "R06", "R08"), "attention": i not in ("R05", "R06", "R08")}
+    assert cm.FITTED.attention_for("flash2", "A100-SXM4-80GB") == cm.FITTED
+    (run,) = cal.read_runs(_write(tmp_path / "runs.csv", [{**ROW, "framework": "TorchTitan (eager)"}]))
+    step = CompiledStep(cal.prepare(run), mesh_for(run.layout), "kernel", [], [], {}, [])
+    kernel_s = {k: step.price(eff)["attention_kernel_s"] for k, eff in {"fitted": cm.FITTED, **slower}.items()}
+    assert kernel_s["attention_flash2"] == pytest.approx(2 * kernel_s["fitted"], rel=1e-12)
+    assert kernel_s["attention"] == kernel_s["fitted"]
+
+
 def test_main_calibrate_writes_json_and_a_table(tmp_path):
     rows = [ROW, {**ROW, "id": "X2", "num_gpus": "16", "fsdp": "16", "global_batch": "64", "value": "1.6"},
             {**ROW, "id": "X3", "gpu": "V100"}]
@@ -497,6 +518,13 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     steps = compile_rows([cal.prepare(r) for r in cal.read_runs(_write(tmp_path / "one.csv", [small]))])
     slower = dataclasses.replace(cm.FITTED, matmul_max=cm.FITTED.matmul_max / 2)
     assert steps["X1"].price(slower)["compute_s"] > steps["X1"].price()["compute_s"]
+    # The same schedule for a run whose kernel is FlashAttention-2: its cuDNN calls priced at that rate.
+    p = steps["X1"].priced
+    flash2 = dataclasses.replace(steps["X1"], priced=dataclasses.replace(
+        p, software=dataclasses.replace(p.software, attention_kernel="flash2")))
+    slower_flash2 = dataclasses.replace(cm.FITTED, attention_flash2=cm.FITTED.attention_flash2 / 2)
+    assert flash2.price(slower_flash2)["compute_s"] > flash2.price()["compute_s"]
+    assert steps["X1"].price(slower_flash2) == steps["X1"].price()
     # cuDNN's calls, which XLA counts no FLOPs for, carry the row's: one document per row, causal
     # across it (4 rows in micro-batches of 1 a device over fsdp=2: one row a call; 4 heads of 64;
     # the backward 2.5x the forward).

@@ -8,8 +8,8 @@ from xlaopt.analysis import analytic, costmodel as cm
 from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
 from xlaopt.analysis.topology import parse_topology
 
-EFF = cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3, nvlink=0.5,
-                    network=0.25)
+EFF = cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3,
+                    attention_flash2=0.15, nvlink=0.5, network=0.25)
 GB = 1e9
 
 
@@ -82,11 +82,20 @@ def test_roofline_and_matmul_efficiency_curve():
     assert EFF.matmul_max_for("A100 SXM 80GB") == 0.8 and EFF.matmul_max_for("H100 SXM") == 0.6
 
 
+def test_an_attention_kernel_has_its_own_fraction_on_hopper_and_newer():
+    assert EFF.attention_for("flash2", "H100-SXM-80GB").attention == EFF.attention_flash2
+    assert EFF.attention_for("flash2", "B200").attention == EFF.attention_flash2
+    assert EFF.attention_for("flash2", "A100-SXM4-80GB") == EFF  # its native kernel there
+    assert EFF.attention_for("cudnn", "H100-SXM-80GB") == EFF
+    with pytest.raises(ValueError, match="attention kernel 'flash3'; use one of cudnn, flash2"):
+        EFF.attention_for("flash3", "H100-SXM-80GB")
+
+
 def test_efficiencies_must_be_fractions():
     with pytest.raises(ValueError, match="nvlink=1.5 must be in"):
-        cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3, nvlink=1.5,
-                      network=0.5)
-    for name in ("matmul_max", "matmul_max_ampere", "attention", "nvlink", "network"):
+        cm.Efficiency(matmul_max=0.6, matmul_max_ampere=0.8, matmul_half_flops=1e10, attention=0.3,
+                      attention_flash2=0.15, nvlink=1.5, network=0.5)
+    for name in ("matmul_max", "matmul_max_ampere", "attention", "attention_flash2", "nvlink", "network"):
         assert 0 < getattr(cm.FITTED, name) <= 1
 
 
@@ -160,7 +169,7 @@ def test_pure_fsdp_is_priced_as_before_hsdp(topology, layout):
 
 def test_hsdp_gathers_on_nvlink_and_all_reduces_only_the_shard_across_nodes():
     t = parse_topology("h100:16x8")
-    fsdp = Parallelism(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=1024)
+    fsdp = Parallelism(dp=1, fsdp=128, tp=1, pp=1, cp=1, global_batch=128, seq_len=512)
     hsdp = dataclasses.replace(fsdp, dp=16, fsdp=8)  # a shard group per node, 16 replicas
     software = Software()
     b_fsdp = price_step(LLAMA8B, fsdp, t, software, cm.FITTED)

@@ -15,7 +15,7 @@ from xlaopt.analysis.topology import Device, LinkLevel, Topology
 TOPO = Topology("toy:2x2", Device("toy", {"bfloat16": 1e12, "float32": 1e12}, 1e9, 1e12), nodes=2,
                 devices_per_node=2, levels=(LinkLevel("fast", 100e9, 0.0), LinkLevel("slow", 10e9, 0.0)))
 EFF = costmodel.Efficiency(matmul_max=1.0, matmul_max_ampere=1.0, matmul_half_flops=0.0, attention=1.0,
-                           nvlink=1.0, network=1.0)
+                           attention_flash2=1.0, nvlink=1.0, network=1.0)
 MESH = {"data": 2, "fsdp": 2, "tensor": 1, "context": 1}  # data crosses nodes, fsdp stays inside
 
 

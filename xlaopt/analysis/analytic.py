@@ -124,6 +124,7 @@ class Software:
     pipeline: str = "megatron"
     pipeline_weights_once: bool = False  # spmd with FSDP: each stage's weights gathered once a step
     context_parallel: str = "ring"  # "ring" (K/V passed round the context ranks) or "ulysses" (all-to-all)
+    attention_kernel: str = "cudnn"  # one of costmodel.ATTENTION_KERNELS: its fraction of peak
 
     PIPELINES = ("megatron", "spmd", "spmd-1f1b")
 
@@ -135,6 +136,8 @@ class Software:
     RECOMPUTE = ("none", "full", "selective-op", "selective-megatron", "dots")
 
     def __post_init__(self):
+        if self.attention_kernel not in cm.ATTENTION_KERNELS:
+            raise ValueError(f"attention_kernel={self.attention_kernel!r}; use one of {cm.ATTENTION_KERNELS}")
         if self.context_parallel not in ("ring", "ulysses"):
             raise ValueError(f"context_parallel={self.context_parallel!r}; use 'ring' or 'ulysses'")
         if self.pipeline not in self.PIPELINES:
@@ -407,6 +410,7 @@ def _optimizer_s(params_per_gpu: float, layout: Parallelism, topology: Topology,
 def price_step(shape: DecoderShape, layout: Parallelism, topology: Topology, software: Software,
                eff: cm.Efficiency) -> StepBreakdown:
     """Seconds of one optimizer step, by cause (see the module docstring for the model)."""
+    eff = eff.attention_for(software.attention_kernel, topology.device.name)
     # One layer, one micro-batch: compute, and the tensor, context and FSDP collectives left exposed.
     layer = _layer(shape, layout, topology, software, eff)
     tp_exp = _tp_exposed(layer, layout, topology, software, eff)

@@ -23,8 +23,8 @@ A row's schedule (`micro_batch`, `virtual_stages`) is read from its own optional
 column is absent or empty the documented default in `SCHEDULE_DEFAULTS` applies, and the row's
 report lists the facts that were defaulted. Nothing is looked up by a row's other values: two runs
 of the same model, GPU count and batch may run different schedules. How each framework runs
-(fused kernels, overlap, reduction dtypes) is in `_FRAMEWORKS`; everything else unstated is
-assumed as documented there.
+(fused kernels, overlap, reduction dtypes, attention kernel) is in `frameworks.FRAMEWORKS`;
+everything else unstated is assumed as documented there.
 """
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ from typing import Callable
 import numpy as np
 
 from xlaopt.analysis import costmodel as cm
-from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step, priced_recompute
+from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
 from xlaopt.analysis.efficiency_fit import FIT_START, minimise
+from xlaopt.analysis.frameworks import RECOMPUTE_DEFAULT, software_for
 from xlaopt.analysis.topology import Topology, TopologyError, preset
 from xlaopt.errors import UserError
-from xlaopt.models import remat
 
 REQUIRED_COLUMNS = ("id", "framework", "gpu", "num_gpus", "gpus_per_node", "model", "layers", "d_model", "heads",
                     "kv_heads", "ffn", "vocab", "seq_len", "global_batch", "dp", "fsdp", "tp", "pp", "cp",
@@ -60,37 +60,10 @@ TARGETS = ("cpu", "gpu")  # what the compiled method compiles for
 # pipeline chunks (the plain 1F1B schedule). The defaults never depend on the row's other values.
 SCHEDULE_DEFAULTS = {"micro_batch": 1, "virtual_stages": 1}
 
-# What an empty act_ckpt cell (the source does not say) is priced as: no recomputation, the
-# default of Megatron-Core (recompute_granularity None) and of PyTorch without checkpoint
-# wrappers, and what NeMo's published Llama 3 configs run. One value for every row, whatever its
-# framework or model, reported on each row that gets it.
-RECOMPUTE_DEFAULT = "none"
 
 # Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
 _KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
 
-# How each framework runs a step (first match on the lower-cased framework column).
-# Reduction dtypes: TorchTitan reduces gradients in fp32 (its FSDP mixed-precision default);
-# MaxText keeps fp32 weights and gathers them as such; Megatron-Core / NeMo reduce in bf16 and
-# overlap TP communication (tp_comm_overlap) and the distributed optimizer's reduce / gather;
-# 2021 Megatron-LM had neither sequence parallel nor a distributed optimizer and all-reduced
-# fp32 gradients after the pipeline flush; LLM Foundry runs FSDP in pure bf16, eager PyTorch.
-_FRAMEWORKS = (
-    ("maxtext", dict(fused_elementwise=True, param_gather_bytes=4, grad_reduce_bytes=4)),
-    ("torchtitan", dict(fused_elementwise=None, param_gather_bytes=2, grad_reduce_bytes=4, tp_overlap=None)),
-    ("megatron-lm (sc21", dict(sequence_parallel=False, sharded_optimizer=False, dp_overlap=False,
-                                grad_reduce_bytes=4)),
-    ("nemo", dict(tp_overlap=True)),
-    ("megatron", dict(tp_overlap=True)),
-    ("llm foundry", dict(fused_elementwise=False)),
-)
-
-# What a bare "selective" act_ckpt means, for frameworks where the word names one policy: in
-# Megatron-LM and Megatron-Core (and so NeMo and Megatron-Bridge) it is the core-attention
-# recomputation of Korthikanti et al. 2022 (recompute_granularity "selective", recompute_modules
-# ["core_attn"]). Elsewhere it names a family (TorchTitan: per-op or every n-th layer), so the
-# cell must say which, e.g. "selective (per-op)".
-_SELECTIVE_MEANS = (("nemo", "selective-megatron"), ("megatron", "selective-megatron"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,50 +202,6 @@ def topology_for(run: Run) -> Topology | None:
     if name is None:
         return None
     return preset(name, math.ceil(run.num_gpus / run.gpus_per_node), run.gpus_per_node)
-
-
-def software_for(run: Run) -> Software | str:
-    """The framework's traits with the row's recomputation and precision; a string says why not.
-    A framework not in `_FRAMEWORKS` gets `Software`'s defaults (fused kernels, no TP overlap,
-    overlapped data-parallel sync, sharded optimizer, bf16 gathers and reductions)."""
-    fw = run.framework.lower()
-    traits = next((dict(t) for key, t in _FRAMEWORKS if key in fw), {})
-    if traits.get("fused_elementwise", True) is None:  # TorchTitan: eager unless compiled
-        traits["fused_elementwise"] = "compile" in fw
-    if traits.get("tp_overlap", False) is None:
-        traits["tp_overlap"] = "async" in fw
-    recompute = recompute_for(run)
-    if not priced_recompute(recompute):  # why it cannot be priced
-        return recompute
-    return Software(recompute=recompute, fp8_linear=run.precision.lower().startswith("fp8"), **traits)
-
-
-def recompute_for(run: Run) -> str:
-    """The `Software.recompute` policy the row's act_ckpt cell names (`RECOMPUTE_DEFAULT` when
-    empty), or why it cannot be priced."""
-    ckpt = run.act_ckpt.lower()
-    if not ckpt:
-        return RECOMPUTE_DEFAULT
-    if ckpt in ("none", "false"):
-        return "none"
-    if ckpt.startswith("full") or ckpt == "remat=full":
-        return "full"
-    if "per-op" in ckpt:
-        return "selective-op"
-    named = ckpt.removeprefix("remat=").strip()  # a policy by name (MaxText's remat_policy among them)
-    policy = remat.REMAT_POLICIES.get(named)
-    if policy is not None and policy.saves is not None:
-        return named
-    if "core attention" in ckpt or "core_attn" in ckpt:
-        return "selective-megatron"
-    if "selective" in ckpt:
-        fw = run.framework.lower()
-        meaning = next((policy for key, policy in _SELECTIVE_MEANS if key in fw), None)
-        if meaning is not None:
-            return meaning
-        return (f"act_ckpt {run.act_ckpt!r} on {run.framework!r}: which ops are recomputed is not stated "
-                f"(say e.g. 'selective (per-op)' or 'selective (core attention)')")
-    return f"act_ckpt {run.act_ckpt!r} not modelled"
 
 
 @dataclasses.dataclass(frozen=True)

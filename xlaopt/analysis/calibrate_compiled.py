@@ -159,6 +159,7 @@ class CompiledStep:
         from xlaopt.analysis.simulate import compute_time_s, simulate
 
         topology = self.priced.topology
+        eff = eff.attention_for(self.priced.software.attention_kernel, topology.device.name)
         sim = lambda ops: simulate(Schedule(ops, "", [], {}), topology, self.mesh.as_dict(), eff,
                                    matmul_dtype="bfloat16", cpu_fixups=True, keep_timeline=False)
         mb, once = sim(self.micro_batch_ops), sim(self.per_step_ops)

@@ -168,8 +168,10 @@ class GpuStep:
         """Seconds per optimizer step and their parts, on the row's topology."""
         from xlaopt.analysis.simulate import simulate
 
-        placed = self.priced.topology.placed(self.mesh.placement())
-        sim = simulate(self.schedule, placed, self.mesh.as_dict(), eff=eff, keep_timeline=False)
+        topology = self.priced.topology
+        eff = eff.attention_for(self.priced.software.attention_kernel, topology.device.name)
+        sim = simulate(self.schedule, topology.placed(self.mesh.placement()), self.mesh.as_dict(), eff=eff,
+                       keep_timeline=False)
         return dict(step_time_s=sim.step_time_s, compute_s=sim.compute_s, comm_s=sim.comm_s,
                     exposed_comm_s=sim.exposed_comm_s,
                     comm_by_axis={axes: c["time_s"] for axes, c in sim.comm_by_axis.items()})
