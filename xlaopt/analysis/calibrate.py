@@ -39,7 +39,7 @@ import numpy as np
 
 from xlaopt.analysis import costmodel as cm
 from xlaopt.analysis.analytic import DecoderShape, Parallelism, Software, price_step
-from xlaopt.analysis.efficiency_fit import FIT_START, minimise
+from xlaopt.analysis.efficiency_fit import FIT_START, MAX_RESTARTS, minimise
 from xlaopt.analysis.frameworks import RECOMPUTE_DEFAULT, software_for
 from xlaopt.analysis.topology import Topology, TopologyError, preset
 from xlaopt.errors import UserError
@@ -248,16 +248,19 @@ def objective(priced: list[Priced], eff: cm.Efficiency, price: Callable = predic
 
 
 def fit(priced: list[Priced], start: cm.Efficiency = FIT_START, price: Callable = predict,
-        tolerance: float = 1e-9) -> cm.Efficiency:
-    """The efficiencies minimising `objective` on `priced`; about half a second for 11 rows
-    priced analytically."""
-    return minimise(lambda eff: objective(priced, eff, price), start, tolerance)
+        tolerance: float = 1e-9, restarts: int = MAX_RESTARTS) -> cm.Efficiency:
+    """The efficiencies minimising `objective` on `priced`; a few seconds for 11 rows priced
+    analytically."""
+    return minimise(lambda eff: objective(priced, eff, price), start, tolerance, restarts)
 
 
 # The compiled method's fits stop when the simplex's values agree to this (mean |log| ~0.1-0.3):
 # each of its objective values simulates every compiled row (up to a second for a pipeline's
-# 350,000 ops), and the analytic fit's 1e-9 takes ~1,000 of them where this takes ~200.
+# 350,000 ops), and the analytic fit's 1e-9 takes ~1,000 of them where this takes ~200. For the
+# same reason they restart the simplex once, not until a restart gains nothing: each descent
+# simulates the compiled rows some 300 times, about 10 minutes on the dev VM.
 COMPILED_TOLERANCE = 1e-4
+COMPILED_RESTARTS = 1
 
 
 def compiled_price(steps: dict) -> Callable:
@@ -271,12 +274,13 @@ def compiled_price(steps: dict) -> Callable:
     return price
 
 
-def fitting(method: str, steps: dict) -> tuple[Callable, cm.Efficiency, float]:
-    """(price, start, tolerance) of `method`'s fit on every row: the analytic model's from FIT_START
-    to 1e-9; the compiled method's on its prices (`steps`) from FITTED to `COMPILED_TOLERANCE`."""
+def fitting(method: str, steps: dict) -> tuple[Callable, cm.Efficiency, float, int]:
+    """(price, start, tolerance, restarts) of `method`'s fit on every row: the analytic model's from
+    FIT_START to 1e-9; the compiled method's on its prices (`steps`) from FITTED to
+    `COMPILED_TOLERANCE`, restarted `COMPILED_RESTARTS` times."""
     if method == "compiled":
-        return compiled_price(steps), cm.FITTED, COMPILED_TOLERANCE
-    return predict, FIT_START, 1e-9
+        return compiled_price(steps), cm.FITTED, COMPILED_TOLERANCE, COMPILED_RESTARTS
+    return predict, FIT_START, 1e-9, MAX_RESTARTS
 
 
 def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=None) -> dict:
@@ -288,8 +292,8 @@ def refit(runs: list[Run], method: str = "analytic", target: str = "cpu", log=No
     priced = [p for p in (prepare(run) for run in runs) if isinstance(p, Priced)]
     if not priced:
         raise UserError("no modelled rows to fit")
-    price, start, tolerance = fitting(method, _compiled_steps(priced, method, target, log))
-    fitted = fit(priced, start, price, tolerance)
+    price, start, tolerance, restarts = fitting(method, _compiled_steps(priced, method, target, log))
+    fitted = fit(priced, start, price, tolerance, restarts)
     rounded = cm.Efficiency(**{k: float(f"{v:.3g}") for k, v in dataclasses.asdict(fitted).items()})
     literal = "Efficiency(" + ", ".join(f"{k}={v:.3g}" for k, v in dataclasses.asdict(rounded).items()) + ")"
     literal = f"FITTED = {literal}" if method == "analytic" else f"{literal}  # the compiled method's fit, not FITTED"
@@ -366,15 +370,15 @@ def calibrate(runs: list[Run], eff: cm.Efficiency = cm.FITTED, leave_one_out: bo
         # Each method refits on its own prices. The compiled method's fits are simulations (see
         # COMPILED_TOLERANCE): its all-rows fit runs from FITTED, and each refit without a row
         # starts a fresh simplex (the fit's full first step) at the all-rows fit.
-        price, start, tolerance = fitting(method, steps)
+        price, start, tolerance, restarts = fitting(method, steps)
         if method == "compiled":
-            start = fit(priced, start, price, tolerance)
+            start = fit(priced, start, price, tolerance, restarts)
             result["compiled_fit"] = dict(efficiency=dataclasses.asdict(start),
                                           objective=objective(priced, start, price),
                                           objective_frozen=objective(priced, eff, price))
         loo = {}
         for i, p in enumerate(priced):
-            refit = fit(priced[:i] + priced[i + 1:], start, price, tolerance)
+            refit = fit(priced[:i] + priced[i + 1:], start, price, tolerance, restarts)
             loo[p.run.id] = price(p, refit) / p.run.measured - 1
         for r in rows:
             r["loo_rel_error"] = loo.get(r["id"])
