@@ -60,10 +60,8 @@ TARGETS = ("cpu", "gpu")  # what the compiled method compiles for
 # pipeline chunks (the plain 1F1B schedule). The defaults never depend on the row's other values.
 SCHEDULE_DEFAULTS = {"micro_batch": 1, "virtual_stages": 1}
 
-
 # Vocabulary when a row leaves it empty, for models whose vocabulary is published elsewhere.
 _KNOWN_VOCAB = {"GPT-3": 50257}  # GPT-2 BPE, Brown et al. 2020
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,7 +91,7 @@ ATTENTION_KERNELS = ("cudnn", "flash2")
 # xlaopt/analysis/published_runs.csv (MaxText R01; TorchTitan R05, R06, R08; NeMo R11, R12,
 # R13; Megatron-Bridge R14, R16; Megatron-LM R21; LLM Foundry R23), every row weighted equally and
 # priced by `xlaopt.analysis.analytic.price_step`; nvlink and network fitted as one value (the rows cannot
-# separate them, see `calibrate._FRACTIONS`); rounded to 3 significant figures.
+# separate them, see `efficiency_fit._FRACTIONS`); rounded to 3 significant figures.
 # `xlaopt calibrate --fit` redoes this fit and prints the literal below; last redone
 # 2026-12-06, when TorchTitan's FlashAttention-2 got its own fraction (`attention_flash2`) and
 # the fit restarted its simplex until it stopped gaining (`efficiency_fit.minimise`): mean |log|
