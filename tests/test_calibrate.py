@@ -301,13 +301,14 @@ def test_torchtitans_rows_price_their_attention_at_flashattention_2s_rate(tmp_pa
     `attention`; on an A100, where FlashAttention-2 is the native kernel, at `attention`."""
     from xlaopt.analysis.calibrate_compiled import CompiledStep, mesh_for
 
+    torchtitan = {"R05", "R06", "R08"}
     priced = {p.run.id: p for p in (cal.prepare(r) for r in cal.read_runs(RUNS))}
-    assert {i for i, p in priced.items() if p.software.attention_kernel == "flash2"} == {"R05", "R06", "R08"}
+    assert {i for i, p in priced.items() if p.software.attention_kernel == "flash2"} == torchtitan
     slower = {"attention_flash2": dataclasses.replace(cm.FITTED, attention_flash2=cm.FITTED.attention_flash2 / 2),
               "attention": dataclasses.replace(cm.FITTED, attention=cm.FITTED.attention / 2)}
     for i, p in priced.items():
         moved = {k: cal.predict(p, eff) != cal.predict(p, cm.FITTED) for k, eff in slower.items()}
-        assert moved == {"attention_flash2": i in ("R05", "R06", "R08"), "attention": i not in ("R05", "R06", "R08")}
+        assert moved == {"attention_flash2": i in torchtitan, "attention": i not in torchtitan}
     assert cm.FITTED.attention_for("flash2", "A100-SXM4-80GB") == cm.FITTED
     (run,) = cal.read_runs(_write(tmp_path / "runs.csv", [{**ROW, "framework": "TorchTitan (eager)"}]))
     step = CompiledStep(cal.prepare(run), mesh_for(run.layout), "kernel", [], [], {}, [])

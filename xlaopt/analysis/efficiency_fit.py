@@ -88,10 +88,10 @@ def minimise(objective: Callable[[cm.Efficiency], float], start: cm.Efficiency =
     value = f(best)
     for _ in range(restarts):
         point = nelder_mead(f, best, step=0.1, tolerance=tolerance)
-        gained = value - f(point)
-        if gained <= 0:
+        previous, value_at_point = value, f(point)
+        if value_at_point >= previous:
             break
-        best, value = point, value - gained
-        if gained < tolerance:
+        best, value = point, value_at_point
+        if previous - value < tolerance:
             break
     return _from_theta(best)
