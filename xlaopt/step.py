@@ -26,6 +26,7 @@ from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
+from xlaopt.transforms import cast_once
 from xlaopt.transforms.hierarchical_grads import path_name
 
 
@@ -101,11 +102,14 @@ def base_grad_fn(program: TrainProgram, scale=None):
     model, loss_fn = model_loss(program)
 
     def grad_fn(params, batch, key):
+        cast_once.note_loss(lambda p: loss_fn(model, p, batch, key)[0], params)
+
         def scaled_loss(trained):
             loss, metrics = loss_fn(model, with_trained(program, trained, params), batch, key)
             return (loss if scale is None else loss * scale), (loss, metrics)
 
         (_, (loss, metrics)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(trained_part(program, params))
+        grads = cast_once.widened(grads)  # a weight cast once (`weights_cast_once`): its cast's gradient
         return loss, metrics, (grads if scale is None else jax.tree.map(lambda g: g / scale, grads))
 
     return grad_fn
@@ -235,10 +239,50 @@ def _accumulates_manual_over(program: TrainProgram) -> str | None:
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
-    """The step's gradient function: each micro-batch's draws, then its gradients (its loss
-    scaled by `scale`, when given) through the program's grad transforms, which see unscaled
-    gradients and a micro-batch that holds its draws; then the micro-batches accumulated (manual
-    over data where it can be, `accumulate_manual`)."""
+    """The step's gradient function: the weights it reads once through a cast cast once, before the
+    micro-batch loop (`xlaopt.transforms.cast_once`); each micro-batch's draws, then its gradients
+    (its loss scaled by `scale`, when given) through the program's grad transforms, which see
+    unscaled gradients and a micro-batch that holds its draws; then the micro-batches accumulated
+    (manual over data where it can be, `accumulate_manual`)."""
+    grad_fn = _accumulated_grad_fn(program, scale)
+    if all(d is None for d in jax.tree.leaves(weights_cast_once(program), is_leaf=lambda x: x is None)):
+        return grad_fn
+    dtypes = weights_cast_once(program)
+
+    def cast_first(params, batch, key):
+        return grad_fn(cast_once.cast(params, dtypes), batch, key)
+
+    return cast_first
+
+
+def weights_cast_once(program: TrainProgram):
+    """The parameters' tree of the dtype each is cast to once a step, before the micro-batch loop
+    (`xlaopt.transforms.cast_once`), or None where the step reads it as the model does; all None
+    for one micro-batch a step, which has no loop to take the cast out of, or with the execution
+    setting `cast_weights_once` off."""
+    if program.execution.micro_batches == 1 or not program.execution.cast_weights_once:
+        return jax.tree.map(lambda _: None, abstract_params_with_axes(program)[0])
+    return _cast_dtypes(_traced_program(program))
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_dtypes(program: TrainProgram):
+    """`cast_once.cast_dtypes` of the step's loss, traced abstractly (no layout) where the step
+    traces it (inside the grad transforms); on disk too, as the activations' trace is."""
+    params, _ = abstract_params_with_axes(program)
+
+    def trace():
+        mesh = AbstractMesh(program.mesh.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        with jax.sharding.use_abstract_mesh(mesh), cast_once.probing() as seen:
+            jax.eval_shape(_accumulated_grad_fn(program), params, abstract_batch(program), jax.random.key(0))
+        dtypes = jax.tree.leaves(cast_once.cast_dtypes(seen[0], params), is_leaf=lambda x: x is None)
+        return [None if d is None else str(d) for d in dtypes]
+
+    names = trace_cache.cached("cast-once", program, trace)
+    return jax.tree.unflatten(jax.tree.structure(params), [None if n is None else jnp.dtype(n) for n in names])
+
+
+def _accumulated_grad_fn(program: TrainProgram, scale=None):
     family = family_of(program.model)
     fn = base_grad_fn(program, scale)
     for transform in program.grad_transforms:
@@ -386,11 +430,15 @@ def traced_activation_axes(program: TrainProgram) -> tuple[tuple[tuple[int, ...]
     """(shape, logical axes, manual mesh axes) of every activation the model constrains, found by
     tracing the gradient function abstractly with a recording constraint. Inside a rewrite's
     shard_map (manual axes named) the shape is one device's part along those axes."""
-    # What the trace reads: the model, settings, execution, grad transforms and the mesh's sizes
-    # (a rewrite's shard_map), not the layout; a pipeline run twice traces once a process.
-    return _traced_activation_axes(TrainProgram(program.model, program.mesh, settings=program.settings,
-                                                execution=program.execution, target=program.target,
-                                                grad_transforms=program.grad_transforms))
+    return _traced_activation_axes(_traced_program(program))
+
+
+def _traced_program(program: TrainProgram) -> TrainProgram:
+    """What a trace of the gradient function reads: the model, settings, execution, grad transforms
+    and the mesh's sizes (a rewrite's shard_map), not the layout; a pipeline run twice traces once a
+    process."""
+    return TrainProgram(program.model, program.mesh, settings=program.settings, execution=program.execution,
+                        target=program.target, grad_transforms=program.grad_transforms)
 
 
 @functools.lru_cache(maxsize=64)
