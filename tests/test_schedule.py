@@ -262,6 +262,27 @@ def test_cudnn_convolutions_each_count_the_forward_flops():
     assert flops["fwd"] == flops["fused"] == flops["dx"] == flops["dw"] == forward
 
 
+# A cuBLAS GEMM as jax 0.10.2's GPU compile emits it (`xla_gpu_enable_triton_gemm=false`), with its
+# s8 workspace as the last element of its result, beside a cuDNN convolution's empty u8 one.
+CUBLAS_GEMM = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,32]) -> bf16[64,32] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,32]{1,0} parameter(1)
+  %gemm = (bf16[64,32]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = bf16[64,32]{1,0} get-tuple-element(%gemm), index=0
+}
+"""
+
+
+def test_a_library_calls_workspace_is_not_counted_as_bytes_it_moves():
+    (gemm,) = [op for op in build_schedule(CUBLAS_GEMM).ops if op.name == "gemm"]
+    assert gemm.matmuls == (2 * 64 * 32 * 128,)
+    assert gemm.bytes == 2 * (64 * 128 + 128 * 32 + 64 * 32)  # its operands and result, not its 4 MiB of scratch
+    ops = {op.name: op for op in build_schedule(CUDNN_CONVS).ops}
+    assert ops["fwd"].bytes == 2 * (8 * 32 * 32 * 16 + 32 * 3 * 3 * 16 + 8 * 16 * 16 * 32)
+
+
 # A loop carrying a cache in a transposed layout reads and updates it through a bitcast (as a
 # gpu-aot decode step's V cache does): the bitcast moves no bytes, the slice and update are all.
 BITCAST_CACHE = """HloModule jit_step, is_scheduled=true
