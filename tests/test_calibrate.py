@@ -564,7 +564,7 @@ def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomput
                         compiled_for(p, *a))
     small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
              "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
-             "micro_batch": "1"}
+             "micro_batch": "1", "framework": "PyTorch"}  # MaxText's own flags turn that recomputation off
     row = cal.prepare(cal.read_runs(_write(tmp_path / "runs.csv", [small]))[0])
     fits = calibrate_gpu.compile_gpu_step(row)
     assert len(compiled_with) == 1 and "xla_disable_hlo_passes" not in compiled_with[0]
@@ -576,6 +576,32 @@ def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomput
     assert squeezed.approximations[-1] == (
         "the compiled step needs 149.0 GiB per device of 74.5 with XLA's memory-pressure recomputation: it keeps more "
         "than the row's framework did (priced compiled without that recomputation, as the row ran)")
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_a_maxtext_row_compiles_as_maxtexts_script_compiled_it(tmp_path, monkeypatch):
+    """MaxText's script for its published run sets XLA flags, its memory-pressure rematerialization
+    off among them, and unrolls the layers (`frameworks.COMPILED_AS`): its rows compile so, a
+    pipelined one keeping its stages, and other frameworks' rows with the pipeline's flags alone."""
+    from xlaopt.analysis import analyze, calibrate_gpu
+    from xlaopt.analysis.frameworks import COMPILED_AS
+
+    compiled = []
+    compiled_for = analyze.compiled_for
+    monkeypatch.setattr(analyze, "compiled_for", lambda p, *a: compiled.append(p) or compiled_for(p, *a))
+    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
+             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
+             "micro_batch": "1"}
+    rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "framework": "PyTorch"}]
+    for row in cal.read_runs(_write(tmp_path / "runs.csv", rows)):
+        assert isinstance(calibrate_gpu.compile_gpu_step(cal.prepare(row)), calibrate_gpu.GpuStep)
+    maxtext, pipelined, other = compiled
+    (_, flags, _), = COMPILED_AS
+    assert flags["xla_disable_hlo_passes"] == "rematerialization"
+    for program in (maxtext, pipelined):
+        assert flags.items() <= dict(program.compiler_options).items()
+    assert maxtext.execution.layer_stack == "unrolled" and pipelined.execution.layer_stack == "pipeline"
+    assert other.execution.layer_stack == "scan" and "xla_disable_hlo_passes" not in other.compiler_options
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")

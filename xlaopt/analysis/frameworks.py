@@ -39,6 +39,33 @@ FRAMEWORKS = (
     ("llm foundry", dict(fused_elementwise=False)),
 )
 
+# How a JAX framework's published runs had XLA compile the step, where the compiled GPU method
+# (`calibrate_gpu`) can do the same: (framework, XLA flags, layers unrolled). MaxText's GPU script for
+# R01 (MaxText/configs/a3/llama_2_7b/1vm.sh at efb6d9e) sets these, among them XLA's memory-pressure
+# rematerialization off, and runs its layers unrolled (`scan_layers=false`). Its other flags are gone
+# from jax 0.10.2's XLA ("No such compile option": the async-collective switches, now always on,
+# xla_gpu_simplify_all_fp_conversions, xla_gpu_graph_level, xla_gpu_enable_triton_softmax_fusion).
+COMPILED_AS = (
+    ("maxtext", {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_triton_gemm": False,
+                 "xla_gpu_enable_highest_priority_async_stream": True,
+                 "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+                 "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+                 "xla_gpu_reduce_scatter_combine_threshold_bytes": 67108864,
+                 "xla_gpu_enable_pipelined_all_gather": True, "xla_gpu_enable_pipelined_reduce_scatter": True,
+                 "xla_gpu_enable_pipelined_all_reduce": True, "xla_gpu_enable_while_loop_double_buffering": True,
+                 "xla_gpu_enable_all_gather_combine_by_dim": False,
+                 "xla_gpu_enable_reduce_scatter_combine_by_dim": False,
+                 "xla_disable_hlo_passes": "rematerialization"}, True),
+)
+
+
+def compiled_as(run) -> tuple[dict, bool]:
+    """(XLA flags, layers unrolled) of the row's framework's own compile (`COMPILED_AS`); ({}, False)
+    for a framework that is not XLA's."""
+    fw = run.framework.lower()
+    return next(((dict(flags), unrolled) for key, flags, unrolled in COMPILED_AS if key in fw), ({}, False))
+
+
 # What a bare "selective" act_ckpt means, for frameworks where the word names one policy: in
 # Megatron-LM and Megatron-Core (and so NeMo and Megatron-Bridge) it is the core-attention
 # recomputation of Korthikanti et al. 2022 (recompute_granularity "selective", recompute_modules
