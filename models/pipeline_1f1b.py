@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec
 from xlaopt.mesh import STAGE
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
+from xlaopt.transforms import cast_once
 
 # (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss, and of each
 # metric ({name: scalar}, reported, not differentiated)
@@ -170,46 +171,15 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     return once_of, forward_of, rebuild, kept_avals
 
 
-# Primitives whose inner jaxpr takes their operands one to one (a scan's: consts, carry, xs).
-_ONE_TO_ONE = ("scan", "pjit", "jit", "closed_call", "remat", "checkpoint")
-
-
-def _cast_only(jaxpr, var):
-    """The dtype every use of `var` in `jaxpr` casts it to, through layer scans and calls; None
-    where nothing uses it, or a reason why it is not only cast."""
-    dtypes = set()
-    for eqn in jaxpr.eqns:
-        for k, v in enumerate(eqn.invars):
-            if v is not var:
-                continue
-            if eqn.primitive.name == "convert_element_type":
-                dtypes.add(eqn.params["new_dtype"])
-                continue
-            inner = eqn.params.get("jaxpr") if eqn.primitive.name in _ONE_TO_ONE else None
-            if inner is None:
-                return f"used by {eqn.primitive.name}"
-            inner = getattr(inner, "jaxpr", inner)
-            found = _cast_only(inner, inner.invars[k])
-            if isinstance(found, str):
-                return found
-            if found is not None:
-                dtypes.add(found)
-    if var in jaxpr.outvars:
-        return "an output"
-    return (dtypes.pop() if len(dtypes) == 1 else "cast to several dtypes") if dtypes else None
-
-
 def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
-    """`narrow(tree)`: each weight of a tree shaped like `params_k` that `fwd` only casts (to the
-    compute dtype, for a projection), cast so already. The forward and backward then run on the
-    cast weights, and each tick's weight gradient leaves the backward in that dtype, to be added
-    to the fp32 accumulator: the same numbers (the cast's transpose is exact), where the backward
-    wrote every gradient in fp32 first (calibration row R13: 0.85 s of its step)."""
+    """`narrow(tree)`: each weight of a tree shaped like `params_k` that `fwd` reads once, through a
+    cast (to the compute dtype, for a projection; `xlaopt.transforms.cast_once`), cast so already.
+    The forward and backward then run on the cast weights, and each tick's weight gradient leaves
+    the backward in that dtype, to be added to the fp32 accumulator: the same numbers (the cast's
+    transpose is exact), where the backward wrote every gradient in fp32 first (calibration row
+    R13: 0.85 s of its step)."""
     closed = jax.make_jaxpr(fwd)(params_k, x, a_float, a_rest)
-    found = [_cast_only(closed.jaxpr, v) for v in closed.jaxpr.invars[:len(jax.tree.leaves(params_k))]]
-    narrower = lambda d, w: (d is not None and not isinstance(d, str) and jnp.issubdtype(d, jnp.floating)  # noqa: E731
-                             and jnp.dtype(d).itemsize < jnp.dtype(w.dtype).itemsize)
-    dtypes = [d if narrower(d, w) else None for d, w in zip(found, jax.tree.leaves(params_k))]
+    dtypes = jax.tree.leaves(cast_once.cast_dtypes(closed.jaxpr, params_k), is_leaf=lambda d: d is None)
 
     def narrow(tree):
         leaves, treedef = jax.tree.flatten(tree)

@@ -275,6 +275,8 @@ def _cast_dtypes(program: TrainProgram):
         mesh = AbstractMesh(program.mesh.sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
         with jax.sharding.use_abstract_mesh(mesh), cast_once.probing() as seen:
             jax.eval_shape(_accumulated_grad_fn(program), params, abstract_batch(program), jax.random.key(0))
+        if not seen:  # no loss traced through `base_grad_fn`: nothing known to be read once
+            return [None] * len(jax.tree.leaves(params))
         dtypes = jax.tree.leaves(cast_once.cast_dtypes(seen[0], params), is_leaf=lambda x: x is None)
         return [None if d is None else str(d) for d in dtypes]
 
