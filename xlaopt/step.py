@@ -239,15 +239,15 @@ def _accumulates_manual_over(program: TrainProgram) -> str | None:
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
-    """The step's gradient function: the weights it reads once through a cast cast once, before the
-    micro-batch loop (`xlaopt.transforms.cast_once`); each micro-batch's draws, then its gradients
-    (its loss scaled by `scale`, when given) through the program's grad transforms, which see
-    unscaled gradients and a micro-batch that holds its draws; then the micro-batches accumulated
-    (manual over data where it can be, `accumulate_manual`)."""
+    """The step's gradient function: the weights its loss reads once, through a cast, cast once
+    before the micro-batch loop (`xlaopt.transforms.cast_once`); each micro-batch's draws, then its
+    gradients (its loss scaled by `scale`, when given) through the program's grad transforms, which
+    see unscaled gradients and a micro-batch that holds its draws; then the micro-batches
+    accumulated (manual over data where it can be, `accumulate_manual`)."""
     grad_fn = _accumulated_grad_fn(program, scale)
-    if all(d is None for d in jax.tree.leaves(weights_cast_once(program), is_leaf=lambda x: x is None)):
-        return grad_fn
     dtypes = weights_cast_once(program)
+    if all(d is None for d in jax.tree.leaves(dtypes, is_leaf=lambda x: x is None)):
+        return grad_fn
 
     def cast_first(params, batch, key):
         return grad_fn(cast_once.cast(params, dtypes), batch, key)
