@@ -9,10 +9,12 @@
 2. On XLA's GPU schedule (deviceless, the `gpu-aot` extra): Llama 3 8B on 8 H100 as two published
    runs laid it out, Megatron-Bridge's fsdp=8 (R14: 16 micro-batches of one 8,192-token row per
    device) in bf16 and fp8, and NeMo's data=4 x context=2 (R11: 32 micro-batches), priced by the
-   simulator at the fitted efficiencies: the step, its compute, the peak memory. Each compiled
-   twice: with XLA's memory-pressure rematerialization (its default), which clones GEMMs to bring
-   a step near the HBM's size under its limit, and without it (as MaxText's GPU scripts run), so
-   that a difference in what that pass chose to recompute is told apart from one in the step.
+   simulator at the fitted efficiencies: the step, its compute, the peak memory. Without
+   recomputation, each compiled twice: with XLA's memory-pressure rematerialization (its
+   default), which clones GEMMs to bring a step near the HBM's size under its limit, and without
+   it (as MaxText's GPU scripts run), so that a difference in what that pass chose to recompute is
+   told apart from one in the step. R14's fp8 layout also with full recomputation and Megatron's
+   selective, as `experiments/fp8.py` prices it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ from layout_planner import write_json  # experiments/ is the script's path
 CPU_MODEL = ("llama-tiny", {"num_layers": 4, "d_model": 512, "mlp_dim": 1536, "num_heads": 8, "num_kv_heads": 4})
 CPU_BATCH, CPU_MICRO_BATCHES = (64, 256, 0), 8
 GPU_MODEL, TOPOLOGY, ROWS, SEQ = "llama3-8b", "h100:1x8", 128, 8192
-GPU_LAYOUTS = (("fsdp=8", 16, "compute"), ("fsdp=8", 16, "fp8"), ("data=4,context=2", 32, "fp8"))
+# (mesh, micro-batches, matmuls, recomputation): R14's and R11's layouts without recomputation, and
+# R14's with the two policies `experiments/fp8.py` prices it under.
+GPU_LAYOUTS = (("fsdp=8", 16, "compute", "none"), ("fsdp=8", 16, "fp8", "none"), ("data=4,context=2", 32, "fp8", "none"),
+               ("fsdp=8", 16, "fp8", "full"), ("fsdp=8", 16, "fp8", "selective_megatron"))
 
 
 def cpu_row(once: bool, steps: int) -> dict:
@@ -56,10 +61,10 @@ def cpu_row(once: bool, steps: int) -> dict:
             "temp_bytes": memory_of(compiled.train_step)["temp"], **first}
 
 
-def gpu_row(mesh: str, micro_batches: int, matmuls: str, once: bool, remat_pass: bool) -> dict:
+def gpu_row(mesh: str, micro_batches: int, matmuls: str, remat: str, once: bool, remat_pass: bool) -> dict:
     import xlaopt.api as api
 
-    execution = {"micro_batches": micro_batches, "attention": "cudnn", "matmuls": matmuls,
+    execution = {"micro_batches": micro_batches, "attention": "cudnn", "matmuls": matmuls, "remat": remat,
                  "cast_weights_once": once}
     options = {} if remat_pass else {"xla_disable_hlo_passes": "rematerialization"}
     program = api.build_program(GPU_MODEL, mesh, batch=(ROWS, SEQ, 0), execution=execution, target="gpu",
@@ -67,7 +72,7 @@ def gpu_row(mesh: str, micro_batches: int, matmuls: str, once: bool, remat_pass:
     program, _ = api.optimize(program, topology=TOPOLOGY)
     t0 = time.perf_counter()
     result = api.analyze(program, TOPOLOGY)
-    return {"mesh": mesh, "micro_batches": micro_batches, "matmuls": matmuls, "cast_weights_once": once,
+    return {"mesh": mesh, "micro_batches": micro_batches, "matmuls": matmuls, "remat": remat, "cast_weights_once": once,
             "xla_remat_pass": remat_pass, "step_time_s": result["step_time_s"], "compute_s": result["compute_s"],
             "exposed_comm_s": result["exposed_comm_s"],
             "peak_memory_bytes": result["memory_per_device_bytes"]["peak_estimate"],
@@ -94,13 +99,14 @@ def main() -> int:
         print("the GPU-target part needs xlaopt[gpu-aot]; stopping here")
         write_json(out, args.json)
         return 0
-    out["gpu"] = [gpu_row(mesh, mb, matmuls, once, remat_pass) for mesh, mb, matmuls in GPU_LAYOUTS
-                  for remat_pass in (True, False) for once in (False, True)]
+    out["gpu"] = [gpu_row(mesh, mb, matmuls, remat, once, remat_pass) for mesh, mb, matmuls, remat in GPU_LAYOUTS
+                  for remat_pass in ((True, False) if remat == "none" else (True,)) for once in (False, True)]
     print(f"\n{GPU_MODEL} on {TOPOLOGY}, {ROWS} x {SEQ} a step (GPU target, priced at the fitted efficiencies):")
-    print(f"  {'mesh':<18}{'micro':>6}{'matmuls':>9}{'XLA remat':>10}{'once':>6}{'step s':>9}{'compute s':>11}"
-          f"{'peak GiB':>10}")
+    print(f"  {'mesh':<18}{'micro':>6}{'matmuls':>9}{'remat':>20}{'XLA remat':>10}{'once':>6}{'step s':>9}"
+          f"{'compute s':>11}{'peak GiB':>10}")
     for r in out["gpu"]:
-        print(f"  {r['mesh']:<18}{r['micro_batches']:>6}{r['matmuls']:>9}{'on' if r['xla_remat_pass'] else 'off':>10}"
+        print(f"  {r['mesh']:<18}{r['micro_batches']:>6}{r['matmuls']:>9}{r['remat']:>20}"
+              f"{'on' if r['xla_remat_pass'] else 'off':>10}"
               f"{str(r['cast_weights_once']):>6}{r['step_time_s']:>9.2f}{r['compute_s']:>11.2f}"
               f"{r['peak_memory_bytes'] / 2**30:>10.1f}")
     write_json(out, args.json)
