@@ -1,6 +1,8 @@
-"""Weights cast once a step (`xlaopt.cast_once`) against cast at every micro-batch.
+"""Weights cast once a step (`xlaopt.transforms.cast_once`) against cast at every micro-batch; with
+`--setting weights_work_once`, the rest of the weights' own work once a step
+(`xlaopt.transforms.weights_once`: fp8's quantization and transposes) against at every micro-batch.
 
-    python experiments/cast_once.py [--json out/cast_once.json] [--steps 10]
+    python experiments/cast_once.py [--setting cast_weights_once] [--json out/cast_once.json] [--steps 10]
 
 1. On this machine's CPU: llama-tiny (4 layers, d_model 512) on one device, bf16, 64 rows of 256
    tokens in 8 micro-batches; the step run `--steps` times after a warm-up under each setting,
@@ -15,6 +17,8 @@
    it (as MaxText's GPU scripts run), so that a difference in what that pass chose to recompute is
    told apart from one in the step. R14's fp8 layout also with full recomputation and Megatron's
    selective, as `experiments/fp8.py` prices it.
+Each row is the step with the execution `--setting` off and on, the other settings at their
+defaults.
 """
 from __future__ import annotations
 
@@ -34,7 +38,10 @@ GPU_LAYOUTS = (("fsdp=8", 16, "compute", "none"), ("fsdp=8", 16, "fp8", "none"),
                ("fsdp=8", 16, "fp8", "full"), ("fsdp=8", 16, "fp8", "selective_megatron"))
 
 
-def cpu_row(once: bool, steps: int) -> dict:
+SETTINGS = ("cast_weights_once", "weights_work_once")
+
+
+def cpu_row(setting: str, once: bool, steps: int) -> dict:
     import jax
 
     import xlaopt.api as api
@@ -45,7 +52,7 @@ def cpu_row(once: bool, steps: int) -> dict:
     name, overrides = CPU_MODEL
     program = api.build_program(name, "data=1", overrides=overrides, batch=CPU_BATCH,
                                 execution={"compute_dtype": "bfloat16", "micro_batches": CPU_MICRO_BATCHES,
-                                           "cast_weights_once": once})
+                                           setting: once})
     compiled = compile_program(program)
     state = compiled.init(jax.random.key(0))
     batch = compiled.put_batch(family_of(program.model).synthetic(program.model, program.settings.batch, 0).batch(0))
@@ -57,22 +64,23 @@ def cpu_row(once: bool, steps: int) -> dict:
         state, metrics = compiled.train_step(state, batch, jax.random.key(2 + i))
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
-    return {"cast_weights_once": once, "median_step_s": statistics.median(times), "steps": steps,
+    return {setting: once, "median_step_s": statistics.median(times), "steps": steps,
             "temp_bytes": memory_of(compiled.train_step)["temp"], **first}
 
 
-def gpu_row(mesh: str, micro_batches: int, matmuls: str, remat: str, once: bool, remat_pass: bool) -> dict:
+def gpu_row(mesh: str, micro_batches: int, matmuls: str, remat: str, setting: str, once: bool,
+            remat_pass: bool) -> dict:
     import xlaopt.api as api
 
     execution = {"micro_batches": micro_batches, "attention": "cudnn", "matmuls": matmuls, "remat": remat,
-                 "cast_weights_once": once}
+                 setting: once}
     options = {} if remat_pass else {"xla_disable_hlo_passes": "rematerialization"}
     program = api.build_program(GPU_MODEL, mesh, batch=(ROWS, SEQ, 0), execution=execution, target="gpu",
                                 compiler_options=options)
     program, _ = api.optimize(program, topology=TOPOLOGY)
     t0 = time.perf_counter()
     result = api.analyze(program, TOPOLOGY)
-    return {"mesh": mesh, "micro_batches": micro_batches, "matmuls": matmuls, "remat": remat, "cast_weights_once": once,
+    return {"mesh": mesh, "micro_batches": micro_batches, "matmuls": matmuls, "remat": remat, setting: once,
             "xla_remat_pass": remat_pass, "step_time_s": result["step_time_s"], "compute_s": result["compute_s"],
             "exposed_comm_s": result["exposed_comm_s"],
             "peak_memory_bytes": result["memory_per_device_bytes"]["peak_estimate"],
@@ -83,31 +91,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="out/cast_once.json")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--setting", choices=SETTINGS, default=SETTINGS[0], help="the execution setting compared")
     args = ap.parse_args()
-    out: dict = {"cpu": [cpu_row(once, args.steps) for once in (False, True)]}
+    setting = args.setting
+    out: dict = {"setting": setting, "cpu": [cpu_row(setting, once, args.steps) for once in (False, True)]}
     name, overrides = CPU_MODEL
     print(f"{name} {overrides} on one CPU device, bf16, {CPU_BATCH[0]} x {CPU_BATCH[1]} in {CPU_MICRO_BATCHES} "
           f"micro-batches, median of {args.steps} steps:")
     for r in out["cpu"]:
-        print(f"  cast once {str(r['cast_weights_once']):<6} step {r['median_step_s'] * 1e3:8.1f} ms   temp "
+        print(f"  {setting} {str(r[setting]):<6} step {r['median_step_s'] * 1e3:8.1f} ms   temp "
               f"{r['temp_bytes'] / 2**20:7.1f} MiB   first loss {r['loss']:.6f}  grad norm {r['grad_norm']:.6f}")
     per_read, once = out["cpu"]
-    print(f"  ratio (every read / once): {per_read['median_step_s'] / once['median_step_s']:.3f}x")
+    print(f"  ratio (off / on): {per_read['median_step_s'] / once['median_step_s']:.3f}x")
     from xlaopt.analysis import gpu_aot
 
     if not gpu_aot.available():
         print("the GPU-target part needs xlaopt[gpu-aot]; stopping here")
         write_json(out, args.json)
         return 0
-    out["gpu"] = [gpu_row(mesh, mb, matmuls, remat, once, remat_pass) for mesh, mb, matmuls, remat in GPU_LAYOUTS
+    out["gpu"] = [gpu_row(mesh, mb, matmuls, remat, setting, once, remat_pass) for mesh, mb, matmuls, remat in GPU_LAYOUTS
                   for remat_pass in ((True, False) if remat == "none" else (True,)) for once in (False, True)]
     print(f"\n{GPU_MODEL} on {TOPOLOGY}, {ROWS} x {SEQ} a step (GPU target, priced at the fitted efficiencies):")
-    print(f"  {'mesh':<18}{'micro':>6}{'matmuls':>9}{'remat':>20}{'XLA remat':>10}{'once':>6}{'step s':>9}"
+    print(f"  {'mesh':<18}{'micro':>6}{'matmuls':>9}{'remat':>20}{'XLA remat':>10}{'on':>6}{'step s':>9}"
           f"{'compute s':>11}{'peak GiB':>10}")
     for r in out["gpu"]:
         print(f"  {r['mesh']:<18}{r['micro_batches']:>6}{r['matmuls']:>9}{r['remat']:>20}"
               f"{'on' if r['xla_remat_pass'] else 'off':>10}"
-              f"{str(r['cast_weights_once']):>6}{r['step_time_s']:>9.2f}{r['compute_s']:>11.2f}"
+              f"{str(r[setting]):>6}{r['step_time_s']:>9.2f}{r['compute_s']:>11.2f}"
               f"{r['peak_memory_bytes'] / 2**30:>10.1f}")
     write_json(out, args.json)
     return 0

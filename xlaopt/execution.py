@@ -80,6 +80,11 @@ class ExecutionConfig:
     # the micro-batch loop instead of at every micro-batch (`xlaopt.transforms.cast_once`): the same
     # numbers, less memory traffic and a narrower gradient buffer. Off only to compare.
     cast_weights_once: bool = True
+    # What each micro-batch's gradient computes from the weights alone (fp8's quantization of each
+    # weight and the transposes its backward GEMMs read) run once a step, before the micro-batch
+    # loop, as Transformer Engine caches a step's fp8 weights (`xlaopt.transforms.weights_once`):
+    # the same numbers, the loop-invariant values held across the loop. Off only to compare.
+    weights_work_once: bool = True
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.
     loss_scale_init: float = 2.0**15

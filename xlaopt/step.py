@@ -28,6 +28,7 @@ from xlaopt.models.layers import activation_constraint, manual_axes, manual_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 from xlaopt.transforms import cast_once
 from xlaopt.transforms.hierarchical_grads import path_name
+from xlaopt.transforms.weights_once import split as weights_once_split
 
 
 def trained_part(program: TrainProgram, tree, is_leaf=None):
@@ -115,19 +116,31 @@ def base_grad_fn(program: TrainProgram, scale=None):
     return grad_fn
 
 
-def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple]):
+def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], weights_once: bool = False):
     """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
     activation memory of one slice), returning the mean loss, metrics and gradients. Each
-    slice's loss is its own per-token mean, so the result weighs slices equally."""
+    slice's loss is its own per-token mean, so the result weighs slices equally. With
+    `weights_once`, what `grad_fn` computes from the weights alone runs once, before the loop
+    (`xlaopt.transforms.weights_once`)."""
     if micro_batches == 1:
         return grad_fn
 
     def accumulated(params, batch, key):
         slices = {name: _micro_batches(x, axes[name].index("batch"), micro_batches) for name, x in batch.items()}
-        one = lambda i: grad_fn(params, {name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))
-        return _summed(one, micro_batches)
+        inputs = lambda i: ({name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))  # noqa: E731
+        return _summed(_each_micro_batch(grad_fn, params, inputs, weights_once), micro_batches)
 
     return accumulated
+
+
+def _each_micro_batch(grad_fn, params, inputs, weights_once: bool):
+    """i -> grad_fn(params, *inputs(i)); with `weights_once`, the part of it that reads `params`
+    alone computed here, once (`weights_once.split`)."""
+    if not weights_once:
+        return lambda i: grad_fn(params, *inputs(i))
+    once, each = weights_once_split(grad_fn, params, *jax.eval_shape(inputs, 0))
+    held = once(params)
+    return lambda i: each(held, *inputs(i))
 
 
 def _micro_batches(x, axis: int, micro_batches: int):
@@ -151,7 +164,7 @@ def _summed(one, micro_batches: int):
 
 
 def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce):
+                      reduce, weights_once: bool = False):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
     once, after the last (by `reduce(g, axis)`: `reduced_in`'s psum). Left to the
@@ -166,8 +179,9 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
         def local(params, drawn, key):
             # Each rank's loss is its tokens' share of the global mean (`layers.token_mean`).
             with manual_over((axis,)), rows_split_over(other_row_axes):
-                loss, metrics, grads = _summed(lambda i: grad_fn(params, {n: x[i] for n, x in drawn.items()},
-                                                                 jax.random.fold_in(key, i)), micro_batches)
+                inputs = lambda i: ({n: x[i] for n, x in drawn.items()}, jax.random.fold_in(key, i))  # noqa: E731
+                loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, weights_once),
+                                               micro_batches)
             return (*jax.lax.psum((loss, metrics), axis), jax.tree.map(lambda g: reduce(g, axis), grads))
 
         return jax.shard_map(local, in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=PartitionSpec(),
@@ -306,8 +320,8 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
         rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
                                  tuple(a for a in batch_axes(program) if a != DATA),
-                                 reduced_in(reduce_dtype, program.target))
-    return accumulate(with_draws, program.execution.micro_batches, axes)
+                                 reduced_in(reduce_dtype, program.target), program.execution.weights_work_once)
+    return accumulate(with_draws, program.execution.micro_batches, axes, program.execution.weights_work_once)
 
 
 def first_step_grad_fn(program: TrainProgram):

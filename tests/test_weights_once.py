@@ -1,0 +1,69 @@
+"""The weights' own work run once a step (`xlaopt.transforms.weights_once`): fp8's quantization of
+each weight leaves the micro-batch loop, and the gradients are bit for bit those of the step that
+quantizes at every micro-batch."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xlaopt.data.batch import BatchShape
+from xlaopt.data.synthetic_text import SyntheticText
+from xlaopt.execution import ExecutionConfig
+from xlaopt.models.fp8 import FORWARD
+from xlaopt.models.registry import get_config
+from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.step import build_grad_fn, build_init
+from xlaopt.transforms import weights_once
+
+from conftest import SMALL
+
+FP8 = ExecutionConfig(compute_dtype="bfloat16", matmuls="fp8", micro_batches=2)
+
+
+def _depths(jaxpr, shapes, depth=0) -> set:
+    """The scan depths at which an array shaped as one of `shapes` is cast to fp8 (E4M3)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.params["new_dtype"] == FORWARD \
+                and tuple(eqn.invars[0].aval.shape) in shapes:
+            found.add(depth)
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found |= _depths(inner, shapes, depth + (eqn.primitive.name == "scan"))
+    return found
+
+
+def test_fp8_weights_are_quantized_once_a_step_and_the_gradients_are_bit_for_bit_the_same():
+    program = TrainProgram(get_config("llama-tiny", SMALL), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+                           execution=FP8)
+    key = jax.random.key(0)
+    params = build_init(program)(key).params
+    batch = SyntheticText(program.model, program.settings.batch, seed=0).batch(0)
+    # The layers' projections, as their scan slices them.
+    shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]) if w.ndim > 2}
+    once = build_grad_fn(program)
+    every = build_grad_fn(program.replace(execution=dataclasses.replace(FP8, weights_work_once=False)))
+    # Depth 2: inside the layers' scan inside the micro-batch loop; 1: in the layers' scan alone.
+    assert _depths(jax.make_jaxpr(every)(params, batch, key).jaxpr, shapes) == {2}
+    assert _depths(jax.make_jaxpr(once)(params, batch, key).jaxpr, shapes) == {1}
+    loss, _, grads = jax.jit(once)(params, batch, key)
+    ref_loss, _, ref_grads = jax.jit(every)(params, batch, key)
+    assert loss == ref_loss
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_split_runs_what_reads_the_weights_alone_once():
+    def fn(w, x):  # the scaled, transposed weight is the weights' own work
+        return {"y": (x @ (w * 2.0).T).sum(), "w": w.sum()}
+
+    w, x = jnp.arange(6.0).reshape(2, 3), jnp.ones((4, 3))
+    once, each = weights_once.split(fn, w, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    held = once(w)
+    assert jax.tree.map(float, each(held, x)) == jax.tree.map(float, fn(w, x))
+    # `each` reads only what `once` made of the weights: nothing of them is multiplied again.
+    eqns = jax.make_jaxpr(each)(held, x).jaxpr.eqns
+    assert [e.primitive.name for e in eqns if e.primitive.name in ("mul", "transpose")] == []
