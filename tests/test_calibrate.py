@@ -112,6 +112,10 @@ ROW = dict(id="X1", framework="MaxText", gpu="H100-SXM-80GB", num_gpus="8", gpus
            heads="32", kv_heads="32", ffn="11008", vocab="32000", seq_len="4096", global_batch="32", dp="1",
            fsdp="8", tp="1", pp="1", cp="1", act_ckpt="", precision="bf16", metric="step_time_s", value="1.5",
            source="test")
+# A row small enough to compile for the GPU target in seconds (the compiled method's tests).
+SMALL_ROW = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
+             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
+             "micro_batch": "1"}
 
 
 def _write(path: Path, rows: list[dict], drop: str | None = None) -> Path:
@@ -485,9 +489,7 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
     loop, or its GPipe loop over the row's virtual stages, and a context-parallel one as Ulysses on cuDNN, each saying how that differs from the
     row; stages that cannot be equal compile padded to equal ones, saying so. A100 rows are priced
     analytically with the reason."""
-    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
-             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
-             "micro_batch": "1"}
+    small = SMALL_ROW
     rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "precision": "fp8"},
             {**small, "id": "X4", "gpu": "A100-SXM4-80GB"}, {**small, "id": "X5", "pp": "2", "fsdp": "1", "layers": "3"},
             {**small, "id": "X6", "cp": "2", "fsdp": "1"},
@@ -536,10 +538,10 @@ def test_the_gpu_target_compiles_what_it_can_build_and_says_why_not_for_the_rest
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
-def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomputation(tmp_path, monkeypatch):
+def test_a_gpu_row_compiles_without_xlas_memory_pressure_recomputation(tmp_path, monkeypatch):
     """XLA's GPU compiler clones work to squeeze a step into the device's memory (seen here with its
-    limit cut to 1%), and `NO_MEMORY_REMAT` turns that off. A row whose compiled step is over its HBM
-    all the same is compiled again without it, and says so; a row that fits keeps it."""
+    limit cut to 1%), and `NO_MEMORY_REMAT` turns that off. Every row compiles once without it, with
+    the recomputation its source states alone (`AS_THE_ROW_RAN`), and a step over its HBM says so."""
     import re
 
     from xlaopt.analysis import analyze, calibrate_gpu
@@ -562,20 +564,18 @@ def test_a_gpu_step_over_its_hbm_is_priced_without_xlas_memory_pressure_recomput
     compiled_for = analyze.compiled_for
     monkeypatch.setattr(analyze, "compiled_for", lambda p, *a: compiled_with.append(dict(p.compiler_options)) or
                         compiled_for(p, *a))
-    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
-             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
-             "micro_batch": "1", "framework": "PyTorch"}  # MaxText's own flags turn that recomputation off
+    small = {**SMALL_ROW, "framework": "PyTorch"}  # MaxText's own flags turn that recomputation off
     row = cal.prepare(cal.read_runs(_write(tmp_path / "runs.csv", [small]))[0])
     fits = calibrate_gpu.compile_gpu_step(row)
-    assert len(compiled_with) == 1 and "xla_disable_hlo_passes" not in compiled_with[0]
+    assert len(compiled_with) == 1 and calibrate_gpu.AS_THE_ROW_RAN.items() <= compiled_with[0].items()
     assert not any("GiB per device" in note for note in fits.approximations)
     over = {"arguments": 0, "outputs": 0, "aliased": 0, "temp": 0, "peak_estimate": 2 * row.topology.device.hbm_bytes}
     monkeypatch.setattr(analyze, "memory_of", lambda executable: over)
     squeezed = calibrate_gpu.compile_gpu_step(row)
-    assert calibrate_gpu.AS_IF_IT_FIT.items() <= compiled_with[-1].items() and len(compiled_with) == 3
+    assert len(compiled_with) == 2 and compiled_with[1] == compiled_with[0]
     assert squeezed.approximations[-1] == (
-        "the compiled step needs 149.0 GiB per device of 74.5 with XLA's memory-pressure recomputation: it keeps more "
-        "than the row's framework did (priced compiled without that recomputation, as the row ran)")
+        "the compiled step needs 149.0 GiB per device of 74.5: it keeps more than the row's framework did (priced "
+        "all the same)")
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
@@ -589,9 +589,7 @@ def test_a_maxtext_row_compiles_as_maxtexts_script_compiled_it(tmp_path, monkeyp
     compiled = []
     compiled_for = analyze.compiled_for
     monkeypatch.setattr(analyze, "compiled_for", lambda p, *a: compiled.append(p) or compiled_for(p, *a))
-    small = {**ROW, "num_gpus": "2", "gpus_per_node": "2", "layers": "2", "d_model": "256", "heads": "4",
-             "kv_heads": "4", "ffn": "512", "vocab": "1024", "seq_len": "256", "global_batch": "4", "fsdp": "2",
-             "micro_batch": "1"}
+    small = SMALL_ROW
     rows = [small, {**small, "id": "X2", "pp": "2", "fsdp": "1"}, {**small, "id": "X3", "framework": "PyTorch"}]
     for row in cal.read_runs(_write(tmp_path / "runs.csv", rows)):
         assert isinstance(calibrate_gpu.compile_gpu_step(cal.prepare(row)), calibrate_gpu.GpuStep)
@@ -601,15 +599,16 @@ def test_a_maxtext_row_compiles_as_maxtexts_script_compiled_it(tmp_path, monkeyp
     for program in (maxtext, pipelined):
         assert flags.items() <= dict(program.compiler_options).items()
     assert maxtext.execution.layer_stack == "unrolled" and pipelined.execution.layer_stack == "pipeline"
-    assert other.execution.layer_stack == "scan" and "xla_disable_hlo_passes" not in other.compiler_options
+    assert other.execution.layer_stack == "scan" and "xla_gpu_enable_triton_gemm" not in other.compiler_options
+    assert calibrate_gpu.AS_THE_ROW_RAN.items() <= dict(other.compiler_options).items()
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
-def test_short_of_memory_xlas_scheduler_stops_overlapping_and_as_if_it_fit_restores_it():
+def test_short_of_memory_xlas_scheduler_stops_overlapping_and_as_the_row_ran_restores_it():
     """XLA's latency-hiding scheduler keeps within a memory limit (the device's memory times
     `xla_gpu_memory_limit_slop_factor` / 100): cut to 1%, it places no compute between the start
-    and the done of collectives it overlaps otherwise. A row's step over its HBM is compiled with
-    the limit raised (`AS_IF_IT_FIT`), and overlaps what a step that fits would."""
+    and the done of collectives it overlaps otherwise. Every row's step is compiled with
+    the limit raised (`AS_THE_ROW_RAN`), and overlaps what a step within the limit would."""
     from xlaopt.analysis import analyze, calibrate_gpu
     from xlaopt.analysis.schedule import build_schedule
     from xlaopt.analysis.topology import preset
@@ -635,7 +634,7 @@ def test_short_of_memory_xlas_scheduler_stops_overlapping_and_as_if_it_fit_resto
     assert default.keys() == short.keys()
     hidden = {s for s, n in default.items() if n}
     assert {s for s, n in short.items() if n} < hidden
-    assert overlapped(calibrate_gpu.AS_IF_IT_FIT) == default
+    assert overlapped(calibrate_gpu.AS_THE_ROW_RAN) == default
 
 
 def test_the_held_out_runs_are_priced_out_of_sample_within_the_issue_targets():

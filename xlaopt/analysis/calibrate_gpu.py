@@ -30,19 +30,21 @@ compiles as xlaopt's SPMD 1F1B loop (the row's 1F1B, or with virtual stages its 
 ticks in lockstep), context parallel as Ulysses on
 cuDNN; each says how that differs from the row's own schedule among its approximations. An fp8 row compiles with `matmuls="fp8"` (`xlaopt.models.fp8`: every
 projection an fp8 GEMM), whatever scaling recipe the row used.
-A compiled step over the row's HBM even after XLA's memory-pressure rematerialization (its HLO
-pass `rematerialization`) is compiled again as if it fit (`AS_IF_IT_FIT`: that pass off, and the
-latency-hiding scheduler's memory limit raised past the step's peak) and priced all the same (the
-simulator does not see memory): the row ran within its HBM, and XLA's recomputation
-there is GEMMs cloned to squeeze a step that keeps more than the row's framework did (xlaopt's
-optimizer keeps fp32 weights on every data rank, and a gradient buffer per micro-batch beside the
-accumulator), which fails all the same. On Llama 3 8B's R11 (150.8 GiB a device of 74.5) XLA
-cloned MLP GEMMs up to three times in each layer (`*.remat`, `.remat2`, `.remat4`: 4.1 s of a
-20.2 s step; raising `xla_gpu_memory_limit_slop_factor` to 400 left them all); with the pass off,
-18.0 s (jax 0.10.2, 2026-12-06). Short of memory, the scheduler also stops overlapping collectives
-with compute, which the row's framework, within its HBM, did. A step that fits keeps XLA's
-recomputation, which a run of it would have (R01, R08 and R14 hold some). A step over HBM says so among the row's approximations;
-the planner drops such steps before pricing them. The schedule is kept, so a row is re-priced
+Every row compiles with the recomputation its source states and no other (`AS_THE_ROW_RAN`: XLA's
+memory-pressure rematerialization, its HLO pass `rematerialization`, off, and the latency-hiding
+scheduler's memory limit raised past the step's peak), as MaxText's GPU scripts compile theirs.
+XLA's recomputation there is GEMMs cloned to squeeze a step that keeps more than the row's
+framework did (xlaopt's optimizer keeps fp32 weights on every data rank, and a gradient buffer per
+micro-batch beside the accumulator). On Llama 3 8B's R11 (150.8 GiB a device of 74.5) XLA cloned
+MLP GEMMs up to three times in each layer (`*.remat`, `.remat2`, `.remat4`: 4.1 s of a 20.2 s
+step; raising `xla_gpu_memory_limit_slop_factor` to 400 left them all); with the pass off, 18.0 s
+(jax 0.10.2, 2026-12-06). Short of memory, the scheduler also stops overlapping collectives with
+compute, which the row's framework, within its HBM, did. Until 2026-12-07 only a step over its HBM
+even after that recomputation compiled so, and a step that fit kept XLA's clones: a row's price
+then jumped with a few GiB of buffers either side of the HBM (R14 fit at 63.3 GiB with 0.9 s of
+cloned GEMMs, and was priced without them at 75.5; N08 on B200 the same at 167.4 and 170.6 GiB).
+A step over HBM says so among the row's approximations, priced all the same (the simulator does
+not see memory); the planner drops such steps before pricing them. The schedule is kept, so a row is re-priced
 under other efficiencies (the leave-one-out refits) without compiling again.
 """
 from __future__ import annotations
@@ -55,15 +57,15 @@ from xlaopt.errors import UserError
 from xlaopt.mesh import DEVICE_ORDER_TENSOR_INNER, MeshSpec
 from xlaopt.transforms.ulysses_attention import ulysses_split
 
-# The compile option that turns XLA's memory-pressure rematerialization off, for a step over the
-# row's HBM all the same (the module docstring); JAX's `jax_enable_remat_opt_pass=False` sets it too.
+# The compile option that turns XLA's memory-pressure rematerialization off (the module docstring);
+# JAX's `jax_enable_remat_opt_pass=False` sets it too.
 NO_MEMORY_REMAT = {"xla_disable_hlo_passes": "rematerialization"}
-# Such a step compiled as if it fit: without that recomputation, and with the latency-hiding
-# scheduler's memory limit (the device's memory times this factor / 100; XLA's default 95) past any
-# step's peak. Short of memory, the scheduler stops overlapping collectives with compute: R13's
-# stage sends and tensor collectives ran with nothing between their start and done (18.8 s; 16.9 s
-# with the limit raised, jax 0.10.2).
-AS_IF_IT_FIT = {**NO_MEMORY_REMAT, "xla_gpu_memory_limit_slop_factor": 100_000}
+# Every row's step compiled with the row's own recomputation alone: without that pass, and with the
+# latency-hiding scheduler's memory limit (the device's memory times this factor / 100; XLA's
+# default 95) past any step's peak. Short of memory, the scheduler stops overlapping collectives
+# with compute: R13's stage sends and tensor collectives ran with nothing between their start and
+# done (18.8 s; 16.9 s with the limit raised, jax 0.10.2).
+AS_THE_ROW_RAN = {**NO_MEMORY_REMAT, "xla_gpu_memory_limit_slop_factor": 100_000}
 
 
 def gpu_blocker(priced) -> str:
@@ -223,12 +225,9 @@ def compile_gpu_step(priced) -> GpuStep | str:
         t0 = time.perf_counter()
         program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, priced.topology))
         program, why_fp32 = _reduced_as_the_row(program, sw)
+        program = program.replace(compiler_options=program.compiler_options.merged(AS_THE_ROW_RAN))
         compiled, lower_s, compile_s = compiled_for(program, priced.topology, "gpu")
         peak, hbm = memory_of(compiled.train_step)["peak_estimate"], priced.topology.device.hbm_bytes
-        if 0 < hbm < peak:  # over HBM even after XLA's recomputation: compiled again as if it fit
-            program = program.replace(compiler_options=program.compiler_options.merged(AS_IF_IT_FIT))
-            compiled, lower_again_s, compile_again_s = compiled_for(program, priced.topology, "gpu")
-            lower_s, compile_s = lower_s + lower_again_s, compile_s + compile_again_s
         text = compiled.train_step.as_text()
     except UserError as e:  # the shape or a sharded dimension does not fit the decoder or the mesh
         return f"cannot build the decoder on mesh {mesh}: {e}"
@@ -239,9 +238,8 @@ def compile_gpu_step(priced) -> GpuStep | str:
     schedule = build_schedule(text, custom_call_flops=work.custom_call_flops, branch_taken=branches_taken(program))
     notes = approximations(priced) + ([why_fp32] if why_fp32 else [])
     if 0 < hbm < peak:  # priced all the same: the simulator does not see memory
-        notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f} with "
-                     f"XLA's memory-pressure recomputation: it keeps more than the row's framework did (priced "
-                     f"compiled without that recomputation, as the row ran)")
+        notes.append(f"the compiled step needs {peak / 2**30:,.1f} GiB per device of {hbm / 2**30:,.1f}: it keeps "
+                     f"more than the row's framework did (priced all the same)")
     return GpuStep(priced, mesh, schedule, dict(lower=lower_s, compile=compile_s, passes=t1 - t0 - lower_s - compile_s,
                                                 schedule=time.perf_counter() - t1), notes)
 
