@@ -335,6 +335,32 @@ def test_a_slice_added_to_and_written_back_in_place_counts_the_slice_not_the_buf
     layer = 8 * 128 * 2
     assert write.bytes == 3 * layer + 4  # the slice and the update read, the slice written, the index
 
+
+def _updated_then(read_on: str, result: str) -> str:
+    """BITCAST_CACHE with its write fusion's update read on by `read_on` (the fusion's result,
+    shaped `result`) instead of being the result."""
+    return (BITCAST_CACHE
+            .replace("ROOT %dus = bf16[80,128,8]{2,1,0} dynamic-update-slice(%b, %param_1, %param_2, %z, %z)",
+                     f"%dus = bf16[80,128,8]{{2,1,0}} dynamic-update-slice(%b, %param_1, %param_2, %z, %z)\n"
+                     f"  ROOT %on = {result}{{2,1,0}} {read_on}")
+            .replace("param_2: s32[]) -> bf16[80,128,8] {", f"param_2: s32[]) -> {result} {{")
+            .replace("ROOT %write = bf16[80,128,8]{2,1,0} fusion", f"ROOT %write = {result}{{2,1,0}} fusion"))
+
+
+def test_an_update_read_on_inside_its_fusion_is_read_as_it_is_read_on():
+    """A dynamic-update-slice updates its buffer in place only as the fusion's result. Read on by
+    an add inside the fusion (R11's gradient stack, its last layer's slice written in and the whole
+    stack added to the accumulator), every element of the buffer is read; read on through a slice
+    (1F1B's stage inputs), the slice is."""
+    layer = 8 * 128 * 2
+    added = _updated_then("add(%dus, %dus)", "bf16[80,128,8]")
+    write = next(op for op in build_schedule(added).ops if op.name == "write")
+    assert write.bytes == 80 * layer + layer + 80 * layer + 4  # the buffer and the update read, all written
+    sliced = _updated_then("dynamic-slice(%dus, %param_2, %z, %z), dynamic_slice_sizes={1,128,8}", "bf16[1,128,8]")
+    write = next(op for op in build_schedule(sliced).ops if op.name == "write")
+    assert write.bytes == layer + layer + layer + 4  # a slice of the buffer and the update read, a slice written
+
+
 # XLA's GPU pipeline peels a micro-batch scan's first iteration and leaves the rest without
 # `known_trip_count`: the same loop as HLO's, counting up from 1 through fusions and copies.
 _COUNTED = (HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")

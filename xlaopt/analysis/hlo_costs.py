@@ -192,20 +192,36 @@ class HloReader:
                 out += through_bitcasts(u.name) if u.opcode == "bitcast" else [(u, k)]
             return out
 
+        root = next((i for i in instrs if i.is_root), None)
+        parts = [] if root is None else [root] if root.opcode != "tuple" else [
+            next((i for i in instrs if i.name == o), None) for o in root.operands]
+        in_place = {p.name for p in parts if p is not None and p.opcode == "dynamic-update-slice"}
+        def sliced(name: str) -> int | None:
+            # Bytes of `name`'s buffer the fusion reads where it reads it through slices alone
+            # (None: read whole). The buffer an in-place update writes into is not read, also
+            # where the fusion slices the same buffer (XLA's in-place `d[i] += g`, what a
+            # scatter-add of one index becomes: the slice read, added and written back). An update
+            # that is not the fusion's result is read as it is read on: through slices (a slice
+            # of the updated buffer, 1F1B's stage inputs), or whole (R11's gradient stack, its
+            # last layer's slice written in and the stack added to the accumulator).
+            uses, total = through_bitcasts(name), 0
+            for u, k in uses:
+                part = (None if k != 0 else hlo.shape_bytes(u.result) if u.opcode == "dynamic-slice"
+                        else 0 if u.name in in_place else sliced(u.name) if u.opcode == "dynamic-update-slice"
+                        else None)
+                if part is None:
+                    return None
+                total += part
+            return total if uses else None
+
         access: dict[int, int] = {}
         for name, idx in params.items():
-            uses = through_bitcasts(name)
-            # Read through its slices alone; the buffer an in-place update writes into is not
-            # read, also where the fusion slices the same buffer (XLA's in-place `d[i] += g`,
-            # what a scatter-add of one index becomes: the slice read, added and written back).
-            if uses and all(u.opcode in ("dynamic-slice", "dynamic-update-slice") and k == 0 for u, k in uses):
-                access[idx] = sum(hlo.shape_bytes(u.result) for u, _ in uses if u.opcode == "dynamic-slice")
-        root = next((i for i in instrs if i.is_root), None)
+            touched = sliced(name)
+            if touched is not None:
+                access[idx] = touched
         written = None
         types = self.types.get(comp, {})
         if root is not None:
-            parts = [root] if root.opcode != "tuple" else [next((i for i in instrs if i.name == o), None)
-                                                           for o in root.operands]
             if parts and all(p is not None and p.opcode == "dynamic-update-slice" for p in parts):
                 written = sum(hlo.shape_bytes(types.get(p.operands[1], "")) for p in parts if len(p.operands) > 1)
         return access, written
