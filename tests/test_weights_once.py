@@ -56,14 +56,21 @@ def test_fp8_weights_are_quantized_once_a_step_and_the_gradients_are_bit_for_bit
         np.testing.assert_array_equal(got, want)
 
 
-def test_split_runs_what_reads_the_weights_alone_once():
-    def fn(w, x):  # the scaled, transposed weight is the weights' own work
-        return {"y": (x @ (w * 2.0).T).sum(), "w": w.sum()}
+def test_split_holds_the_fp8_weights_and_their_scales_and_makes_the_rest_again():
+    def fn(w, x):  # a weight quantized per tensor, a zero buffer, the weight read as it is too
+        scale = jnp.max(jnp.abs(w)) / 448.0
+        q = (w / scale).astype(FORWARD)
+        y = x @ q.T.astype(jnp.float32) * scale + jnp.zeros((4, 2))
+        return {"y": y.sum(), "w": (x @ w.T).sum()}
 
-    w, x = jnp.arange(6.0).reshape(2, 3), jnp.ones((4, 3))
+    w, x = jnp.arange(6.0).reshape(2, 3) - 2.0, jnp.ones((4, 3))
     once, each = weights_once.split(fn, w, jax.ShapeDtypeStruct(x.shape, x.dtype))
     held = once(w)
-    assert jax.tree.map(float, each(held, x)) == jax.tree.map(float, fn(w, x))
-    # `each` reads only what `once` made of the weights: nothing of them is multiplied again.
-    eqns = jax.make_jaxpr(each)(held, x).jaxpr.eqns
-    assert [e.primitive.name for e in eqns if e.primitive.name in ("mul", "transpose")] == []
+    assert jax.tree.map(float, each(held, w, x)) == jax.tree.map(float, fn(w, x))
+    # Held: the fp8 weight (transposed or not) and scalars; not the zeros, not a copy of the weight.
+    assert {(h.dtype, h.ndim > 0) for h in held} <= {(jnp.dtype(FORWARD), True), (jnp.dtype(jnp.float32), False)}
+    assert any(h.dtype == FORWARD for h in held)
+    # `each` quantizes nothing: no absolute maximum taken, no cast to fp8.
+    eqns = jax.make_jaxpr(each)(held, w, x).jaxpr.eqns
+    assert not [e for e in eqns if e.primitive.name == "reduce_max" or
+                (e.primitive.name == "convert_element_type" and e.params["new_dtype"] == FORWARD)]

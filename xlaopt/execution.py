@@ -83,7 +83,8 @@ class ExecutionConfig:
     # What each micro-batch's gradient computes from the weights alone (fp8's quantization of each
     # weight and the transposes its backward GEMMs read) run once a step, before the micro-batch
     # loop, as Transformer Engine caches a step's fp8 weights (`xlaopt.transforms.weights_once`):
-    # the same numbers, the loop-invariant values held across the loop. Off only to compare.
+    # the same numbers, the fp8 weights held across the loop. Not where the step recomputes
+    # (`xlaopt.step._holding` says why). Off only to compare.
     weights_work_once: bool = True
     # float16 only (see the module docstring): the first step's loss scale, a power of two, and
     # how many finite steps in a row double it.

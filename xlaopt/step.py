@@ -116,31 +116,31 @@ def base_grad_fn(program: TrainProgram, scale=None):
     return grad_fn
 
 
-def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], weights_once: bool = False):
+def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None):
     """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
     activation memory of one slice), returning the mean loss, metrics and gradients. Each
-    slice's loss is its own per-token mean, so the result weighs slices equally. With
-    `weights_once`, what `grad_fn` computes from the weights alone runs once, before the loop
-    (`xlaopt.transforms.weights_once`)."""
+    slice's loss is its own per-token mean, so the result weighs slices equally. With `hold`
+    (`_holding`), what `grad_fn` computes from the weights alone runs once, before the loop
+    (`xlaopt.transforms.weights_once`), and `hold(values)` places what the loop reads of it."""
     if micro_batches == 1:
         return grad_fn
 
     def accumulated(params, batch, key):
         slices = {name: _micro_batches(x, axes[name].index("batch"), micro_batches) for name, x in batch.items()}
         inputs = lambda i: ({name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))  # noqa: E731
-        return _summed(_each_micro_batch(grad_fn, params, inputs, weights_once), micro_batches)
+        return _summed(_each_micro_batch(grad_fn, params, inputs, hold), micro_batches)
 
     return accumulated
 
 
-def _each_micro_batch(grad_fn, params, inputs, weights_once: bool):
-    """i -> grad_fn(params, *inputs(i)); with `weights_once`, the part of it that reads `params`
-    alone computed here, once (`weights_once.split`)."""
-    if not weights_once:
+def _each_micro_batch(grad_fn, params, inputs, hold):
+    """i -> grad_fn(params, *inputs(i)); with `hold`, the part of it that reads `params` alone
+    computed here, once (`weights_once.split`), and placed by `hold`."""
+    if hold is None:
         return lambda i: grad_fn(params, *inputs(i))
     once, each = weights_once_split(grad_fn, params, *jax.eval_shape(inputs, 0))
-    held = once(params)
-    return lambda i: each(held, *inputs(i))
+    held = hold(once(params))
+    return lambda i: each(held, params, *inputs(i))
 
 
 def _micro_batches(x, axis: int, micro_batches: int):
@@ -164,7 +164,7 @@ def _summed(one, micro_batches: int):
 
 
 def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce, weights_once: bool = False):
+                      reduce, hold=None):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
     once, after the last (by `reduce(g, axis)`: `reduced_in`'s psum). Left to the
@@ -180,7 +180,7 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
             # Each rank's loss is its tokens' share of the global mean (`layers.token_mean`).
             with manual_over((axis,)), rows_split_over(other_row_axes):
                 inputs = lambda i: ({n: x[i] for n, x in drawn.items()}, jax.random.fold_in(key, i))  # noqa: E731
-                loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, weights_once),
+                loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, hold),
                                                micro_batches)
             return (*jax.lax.psum((loss, metrics), axis), jax.tree.map(lambda g: reduce(g, axis), grads))
 
@@ -320,8 +320,30 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
         rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
                                  tuple(a for a in batch_axes(program) if a != DATA),
-                                 reduced_in(reduce_dtype, program.target), program.execution.weights_work_once)
-    return accumulate(with_draws, program.execution.micro_batches, axes, program.execution.weights_work_once)
+                                 reduced_in(reduce_dtype, program.target), _holding(program))
+    return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program))
+
+
+def _holding(program: TrainProgram):
+    """`hold(values)` for the micro-batch loop's weights-only values (`accumulate`): each shaped as
+    a parameter constrained to that parameter's layout, where one layout has that shape (left to
+    the partitioner, they may be held whole). None with `weights_work_once` off, and where the step
+    recomputes: its backward's recomputed forward quantizes the weights again (JAX keeps the two
+    apart), so the loop held two fp8 copies and their transposes, 13 GiB on Llama 3 8B, and under
+    Megatron's selective recomputation on fsdp=8 the step went 11.17 -> 12.66 s, its peak 62.1 ->
+    70.4 GiB (`experiments/cast_once.py --setting weights_work_once`)."""
+    if not program.execution.weights_work_once or program.execution.remat != "none":
+        return None
+    if program.shardings is None:
+        return lambda held: held
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    specs: dict[tuple, set] = {}
+    for leaf, spec in zip(jax.tree.leaves(abstract_params_with_axes(program)[0]),
+                          jax.tree.leaves(program.shardings.state.params, is_leaf=is_spec)):
+        specs.setdefault(tuple(leaf.shape), set()).add(spec)
+    layout = {shape: next(iter(found)) for shape, found in specs.items() if len(found) == 1}
+    return lambda held: [jax.lax.with_sharding_constraint(h, layout[h.shape]) if h.shape in layout else h
+                         for h in held]
 
 
 def first_step_grad_fn(program: TrainProgram):
