@@ -74,3 +74,16 @@ def test_split_holds_the_fp8_weights_and_their_scales_and_makes_the_rest_again()
     eqns = jax.make_jaxpr(each)(held, w, x).jaxpr.eqns
     assert not [e for e in eqns if e.primitive.name == "reduce_max" or
                 (e.primitive.name == "convert_element_type" and e.params["new_dtype"] == FORWARD)]
+
+
+def test_held_values_keep_the_layout_of_the_parameter_shaped_as_them():
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    # (4, 2): one parameter's shape; (2, 2): two parameters' with two layouts, left to the partitioner.
+    hold = weights_once.in_layouts([(4, 2), (2, 2), (2, 2)], [PartitionSpec("fsdp"), PartitionSpec(),
+                                                               PartitionSpec("fsdp")])
+    with jax.set_mesh(mesh):
+        text = jax.jit(lambda a, b: hold([a, b])).lower(jnp.ones((4, 2)), jnp.ones((2, 2))).as_text()
+    constraints = [line for line in text.splitlines() if "sharding_constraint" in line]
+    assert len(constraints) == 1 and '[{"fsdp"}, {}]' in constraints[0] and "tensor<4x2xf32>" in constraints[0]

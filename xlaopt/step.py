@@ -26,9 +26,8 @@ from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
 from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
-from xlaopt.transforms import cast_once
+from xlaopt.transforms import cast_once, weights_once
 from xlaopt.transforms.hierarchical_grads import path_name
-from xlaopt.transforms.weights_once import split as weights_once_split
 
 
 def trained_part(program: TrainProgram, tree, is_leaf=None):
@@ -138,7 +137,7 @@ def _each_micro_batch(grad_fn, params, inputs, hold):
     computed here, once (`weights_once.split`), and placed by `hold`."""
     if hold is None:
         return lambda i: grad_fn(params, *inputs(i))
-    once, each = weights_once_split(grad_fn, params, *jax.eval_shape(inputs, 0))
+    once, each = weights_once.split(grad_fn, params, *jax.eval_shape(inputs, 0))
     held = hold(once(params))
     return lambda i: each(held, params, *inputs(i))
 
@@ -336,14 +335,8 @@ def _holding(program: TrainProgram):
         return None
     if program.shardings is None:
         return lambda held: held
-    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
-    specs: dict[tuple, set] = {}
-    for leaf, spec in zip(jax.tree.leaves(abstract_params_with_axes(program)[0]),
-                          jax.tree.leaves(program.shardings.state.params, is_leaf=is_spec)):
-        specs.setdefault(tuple(leaf.shape), set()).add(spec)
-    layout = {shape: next(iter(found)) for shape, found in specs.items() if len(found) == 1}
-    return lambda held: [jax.lax.with_sharding_constraint(h, layout[h.shape]) if h.shape in layout else h
-                         for h in held]
+    specs = jax.tree.leaves(program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return weights_once.in_layouts([w.shape for w in jax.tree.leaves(abstract_params_with_axes(program)[0])], specs)
 
 
 def first_step_grad_fn(program: TrainProgram):

@@ -63,3 +63,14 @@ def split(fn: Callable, weights, *rest) -> tuple[Callable, Callable]:
                                                       *jax.tree.leaves(rest)))
 
     return once, each
+
+
+def in_layouts(shapes, specs) -> Callable:
+    """`hold(values)`: each value shaped as one of `shapes` constrained to the `specs` entry (a
+    PartitionSpec) of that shape, where only one has it; the rest left to the partitioner."""
+    found: dict[tuple, set] = {}
+    for shape, spec in zip(shapes, specs):
+        found.setdefault(tuple(shape), set()).add(spec)
+    layout = {shape: next(iter(s)) for shape, s in found.items() if len(s) == 1}
+    return lambda held: [jax.lax.with_sharding_constraint(h, layout[h.shape]) if h.shape in layout else h
+                         for h in held]
