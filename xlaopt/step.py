@@ -326,12 +326,13 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
 def _holding(program: TrainProgram):
     """`hold(values)` for the micro-batch loop's weights-only values (`accumulate`): each shaped as
     a parameter constrained to that parameter's layout, where one layout has that shape (left to
-    the partitioner, they may be held whole). None with `weights_work_once` off, and where the step
-    recomputes: its backward's recomputed forward quantizes the weights again (JAX keeps the two
+    the partitioner, they may be held whole). None with `weights_work_once` off, without fp8
+    matmuls (nothing fp8 to hold, so no split to trace), and where the step recomputes: its backward's recomputed forward quantizes the weights again (JAX keeps the two
     apart), so the loop held two fp8 copies and their transposes, 13 GiB on Llama 3 8B, and under
     Megatron's selective recomputation on fsdp=8 the step went 11.17 -> 12.66 s, its peak 62.1 ->
     70.4 GiB (`experiments/cast_once.py --setting weights_work_once`)."""
-    if not program.execution.weights_work_once or program.execution.remat != "none":
+    execution = program.execution
+    if not execution.weights_work_once or execution.matmuls != "fp8" or execution.remat != "none":
         return None
     if program.shardings is None:
         return lambda held: held

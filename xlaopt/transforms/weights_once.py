@@ -24,12 +24,14 @@ import jax.numpy as jnp
 from jax._src.interpreters import partial_eval as pe  # not in jax's public modules (0.10.2)
 from jax.extend.core import jaxpr_as_fun
 
+from xlaopt.models.fp8 import BACKWARD, FORWARD
+
 # What `once` holds across the loop: fp8 values (a weight quantized, a transposed copy of it) and
 # what is computed from scalars alone (their scales). Everything else of the weights' own work
 # stays in the loop: held, the fp32 weights a recomputed layer reads (8 GiB a device on Llama 3
 # 8B, fsdp=8, Megatron's selective recomputation) or the zeros a scan's backward starts its
 # gradient buffers from (3.9 GiB) cost more memory than the loop saves.
-FP8_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+FP8_DTYPES = (jnp.dtype(FORWARD), jnp.dtype(BACKWARD))
 
 
 def _held(prim, *avals, **params) -> bool:
