@@ -71,6 +71,42 @@ def rows_split_over(axes: tuple[str, ...]):
     return installed(_BATCH_MESH_AXES, tuple(axes))
 
 
+# The manual axis that splits every row's sequence into chunks, one a rank, where a step runs
+# manual over it (context parallel's micro-batch loop, `xlaopt.transforms.micro_batches`): an op
+# that reads a token's neighbour (`next_tokens`) fetches it from the next rank at the chunk's end.
+_SEQUENCE_SPLIT: contextvars.ContextVar[str | None] = contextvars.ContextVar("xlaopt_sequence_split", default=None)
+
+
+def sequence_split_over(axis: str | None):
+    """Context manager naming the manual axis that splits the rows' sequences (None: none does)."""
+    return installed(_SEQUENCE_SPLIT, axis)
+
+
+# How a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) sums
+# them: `sum(g, axes)`, crossing the axes in the dtype the step reduces gradients in and returned in
+# it (`xlaopt.step.summed_in`); a plain psum unless a step installs one.
+_GRADIENTS_SUMMED: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_gradients_summed",
+                                                                                   default=None)
+
+
+def gradients_summed_by(sum_fn: Callable):
+    """Context manager installing how a loop sums the weights' gradients over data itself."""
+    return installed(_GRADIENTS_SUMMED, sum_fn)
+
+
+def summed_gradients(tree, axes: tuple[str, ...]):
+    """`tree`'s gradients summed over `axes` as the step sums them (`gradients_summed_by`)."""
+    sum_fn = _GRADIENTS_SUMMED.get() or jax.lax.psum
+    return jax.tree.map(lambda g: sum_fn(g, axes), tree)
+
+
+def chunk_start(length: int):
+    """Where this rank's `length` tokens start in their rows: 0 unless the sequences are split
+    (`sequence_split_over`), then the rank's index along the axis times `length`."""
+    axis = _SEQUENCE_SPLIT.get()
+    return 0 if axis is None else jax.lax.axis_index(axis) * length
+
+
 # The mesh axes the rule table splits attention heads over (`act_heads`), installed beside the
 # rows': a kernel run per device in a shard_map keeps the heads where the layout put them.
 _HEAD_MESH_AXES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("xlaopt_head_mesh_axes",
@@ -225,8 +261,14 @@ def next_token_loss(logits_BTE: jax.Array, tokens_BT: jax.Array, seg_BT: jax.Arr
 def next_tokens(tokens_BT: jax.Array, seg_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(targets, has_next): each token's successor, and where it belongs to the same (real,
     non-padding) sample."""
-    has_next_BT = jnp.pad((seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0), ((0, 0), (0, 1)))
-    return jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1))), has_next_BT
+    axis = _SEQUENCE_SPLIT.get()
+    if axis is None:
+        after = lambda x_BT: jnp.zeros_like(x_BT[:, :1])  # noqa: E731  past the row's end: padding
+    else:  # a chunk's last token's successor is the next rank's first; the last rank's, padding
+        ranks = jax.lax.axis_size(axis)
+        after = lambda x_BT: jax.lax.ppermute(x_BT[:, :1], axis, [(r + 1, r) for r in range(ranks - 1)])  # noqa: E731
+    tokens_BT, seg_BT = (jnp.concatenate([x_BT, after(x_BT)], axis=1) for x_BT in (tokens_BT, seg_BT))
+    return tokens_BT[:, 1:], (seg_BT[:, 1:] == seg_BT[:, :-1]) & (seg_BT[:, :-1] != 0)
 
 
 def token_nll(logits_BTE: jax.Array, targets_BT: jax.Array) -> jax.Array:

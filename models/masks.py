@@ -13,6 +13,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xlaopt.models.layers import chunk_start
+
 
 class Tokens(NamedTuple):
     """What the mask needs to know of each token: sample, tower, and order."""
@@ -22,7 +24,8 @@ class Tokens(NamedTuple):
 
     @classmethod
     def of(cls, segment_BL, is_generator_BL) -> "Tokens":
-        index = jnp.broadcast_to(jnp.arange(segment_BL.shape[1]), segment_BL.shape)
+        L = segment_BL.shape[1]
+        index = jnp.broadcast_to(chunk_start(L) + jnp.arange(L), segment_BL.shape)
         return cls(segment_BL, is_generator_BL, index)
 
     def slice(self, start: int, stop: int) -> "Tokens":

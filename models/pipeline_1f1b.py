@@ -51,7 +51,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import STAGE
-from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
+from xlaopt.models.layers import manual_axes, manual_over, rows_split_over, summed_gradients
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 from xlaopt.transforms import cast_once
 
@@ -230,7 +230,10 @@ def _in_chunks(params_k, stages: int, V: int):
     def chunk(tree, v):  # without virtual stages a static index: the one chunk is the stage's weights
         return jax.tree.map(lambda x: x[v if V > 1 else 0], tree)
 
-    to_contiguous = jax.linear_transpose(lambda w: to_round(own_of(w)), params_k)
+    def to_contiguous(tree):  # in the tree's own dtypes (fp32 accumulators, or their bf16 sums)
+        like = jax.tree.map(lambda w, t: jax.ShapeDtypeStruct(w.shape, t.dtype), params_k, tree)
+        return jax.linear_transpose(lambda w: to_round(own_of(w)), like)(tree)[0]
+
     return own_of(params_k), chunk, to_round, to_contiguous
 
 
@@ -252,18 +255,33 @@ def _accumulators(chunks):
     return jax.tree.map(lambda w: w * jnp.zeros((), w.dtype), chunks)
 
 
+def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable):
+    """The weights' gradients of the ticks (round order, fp32) summed over the manual axes that
+    split the rows as the step sums gradients (`layers.summed_gradients`: crossing them in bf16
+    where it reduces them so, as Megatron-Core does), then in the stage's contiguous order and
+    their own dtype. Summed first, so that the reorder across the stages sends what crossed data:
+    half the bytes in bf16 (calibration row R13 reordered 2 x 17 GB of fp32 gradients a device
+    over InfiniBand)."""
+    if not summed:
+        return to_contiguous(d_chunks)
+    total = to_contiguous(summed_gradients(d_chunks, summed))
+    return jax.tree.map(lambda t, d: t.astype(d.dtype), total, d_chunks)
+
+
 def _reduced(acc, summed: tuple[str, ...]):
-    """(loss, gradients) of the device from the tick loop's sums: the weights' summed over the
-    manual axes that split the rows, the loss and the tail's over those and the stages. Only
-    stage 0 wrote the carry's gradient and every stage its share of the args': the sum over
-    `stage` hands each its micro-batches' rows, as GPipe's loop hands its output."""
+    """(loss, gradients) of the device from the tick loop's sums (the weights' summed already,
+    `_weights_summed`): the loss and the tail's summed over the manual axes that split the rows and
+    the stages, the tail's as the weights'. Only stage 0 wrote the carry's gradient and every stage
+    its share of the args': the sum over `stage` hands each its micro-batches' rows, as GPipe's
+    loop hands its output."""
     d_params, d_tail, d_carry, d_args, reported = acc
     scatter = lambda d: jax.lax.psum_scatter(d, STAGE, scatter_dimension=0, tiled=True)[None]  # noqa: E731
-    if summed:
-        d_params = jax.lax.psum(d_params, summed)
+    if summed:  # crossing data as the weights' do (only the last stage's are not zero)
+        d_tail = jax.tree.map(lambda t, d: t.astype(d.dtype), summed_gradients(d_tail, (STAGE, *summed)), d_tail)
+    else:
+        d_tail = jax.lax.psum(d_tail, STAGE)
     return (jax.lax.psum(reported, (STAGE, *summed)),
-            (d_params, jax.lax.psum(d_tail, (STAGE, *summed)), jax.tree.map(scatter, d_carry),
-             jax.tree.map(scatter, d_args)))
+            (d_params, d_tail, jax.tree.map(scatter, d_carry), jax.tree.map(scatter, d_args)))
 
 
 def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedule, split, data, seq):
@@ -343,6 +361,6 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         d_chunks, *rest = acc
-        return _reduced((*to_contiguous(d_chunks), *rest), summed)
+        return _reduced((_weights_summed(d_chunks, summed, to_contiguous), *rest), summed)
 
     return local

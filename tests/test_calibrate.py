@@ -438,7 +438,8 @@ def test_the_command_prices_the_runs_shipped_with_the_package(tmp_path, capsys):
 def test_rows_whose_framework_reduces_in_bf16_compile_so_where_xlaopt_reduces():
     """A row whose framework reduces its data-parallel gradients in bf16 (`grad_reduce_bytes` 2,
     Megatron-Core's default) compiles with `grad_reduce_dtype=bfloat16` where xlaopt reduces them
-    itself (the micro-batch loop manual over data); where the partitioner does (one micro-batch),
+    itself (the micro-batch loop manual over data, or a 1F1B pipeline's ticks:
+    test_pipeline_parallel); where the partitioner does (one micro-batch),
     it stays float32 and the row says why; a framework reducing in fp32 changes nothing."""
     from xlaopt.analysis.calibrate_gpu import _reduced_as_the_row
     from xlaopt.data.batch import BatchShape

@@ -28,6 +28,7 @@ from xlaopt.models.registry import get_config
 from xlaopt.passes.hierarchical_grads import HierarchicalGrads
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.runtime.verify import tolerance_key
 
 from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, needs_devices
 
@@ -169,10 +170,12 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
         get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2", None,
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
         None, set()),
-    "llama-interleaved-1f1b-data-tensor": (
+    # The weights' gradients summed over data in bf16 (`grad_reduce_dtype`), then reordered:
+    # equal to one device within bf16's tolerance.
+    "llama-interleaved-1f1b-data-tensor-bf16-reduce": (
         get_config("llama-tiny"), "stage=2,data=2,tensor=2", BatchShape(8, 32, 0),
-        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
-        None, set()),
+        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2,
+                            grad_reduce_dtype="bfloat16"), None, set()),
     "llama-1f1b-fsdp-tensor-weights-once": (
         get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),
@@ -194,7 +197,7 @@ def test_pipelined_step_equals_one_device(case):
     settings = TrainSettings(batch=batch) if batch else TrainSettings()
     program = TrainProgram(config, MeshSpec.parse(mesh), settings=settings, execution=execution)
     # Equal to one device (its layers scanned), and a second run of the passes changes nothing.
-    laid, records = check_pass(program, options=options)
+    laid, records = check_pass(program, options=options, dtype=tolerance_key(execution))
     assert {name for name, r in records.items() if r.changed} >= applied | {"mesh-layout"}, records
 
 
@@ -329,6 +332,37 @@ def test_on_the_gpu_target_sends_are_async_and_cudnn_runs_in_a_stage():
                                   axis_names={"stage"}, check_vma=False))
     with pytest.raises(Exception, match="custom_partitioner"):
         stage.lower(qkv, qkv, qkv, jax.ShapeDtypeStruct((2, 128), jnp.int32)).compile()
+
+
+@pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")
+def test_on_the_gpu_target_1f1b_gradients_cross_data_and_the_stages_in_bfloat16():
+    """Interleaved 1F1B on stage=2,data=2 with `grad_reduce_dtype=bfloat16`, deviceless H100s: the
+    weights' gradients are summed over data in bf16 once a step, then reordered across the
+    stages in bf16 (what crossed data, half fp32's bytes); refused for GPipe's loop, whose
+    gradients the partitioner reduces."""
+    from xlaopt.step import why_not_reduced_by_xlaopt
+
+    def laid_out(schedule: str) -> TrainProgram:
+        program = TrainProgram(get_config("llama-tiny", {"num_layers": 4}), MeshSpec.parse("stage=2,data=2"),
+                               target="gpu", settings=TrainSettings(batch=BatchShape(8, 128, 0)),
+                               execution=ExecutionConfig(layer_stack="pipeline", pipeline_microbatches=4,
+                                                         pipeline_schedule=schedule, pipeline_virtual_stages=2,
+                                                         grad_reduce_dtype="float32"))
+        return run_pipeline(program, pipeline())[0]
+
+    assert "GPipe" in why_not_reduced_by_xlaopt(laid_out("gpipe"))
+    laid = laid_out("1f1b")
+    assert why_not_reduced_by_xlaopt(laid) is None
+    laid = laid.replace(execution=dataclasses.replace(laid.execution, grad_reduce_dtype="bfloat16"))
+    mesh = gpu_aot.gpu_mesh(parse_topology("h100:1x4"), laid.mesh.sizes, MESH_AXES, laid.mesh.placement())
+    found = collectives(compile_program(laid, mesh).train_step.as_text(), laid.mesh.as_dict())
+    dtypes = lambda c: {dtype for dtype, _ in c.shapes}  # noqa: E731
+    summed = [c for c in found if c.kind == "all-reduce" and c.mesh_axes == ("data",) and c.bytes > 1024]
+    assert summed and all(dtypes(c) == {"bf16"} for c in summed), summed
+    # Once a step across the stages: the weights' bf16 casts forward, their summed gradients back.
+    reordered = [c for c in found if c.kind == "collective-permute" and c.executions == 1 and c.bytes > 1024]
+    assert any(dtypes(c) == {"bf16"} for c in reordered) and not any(dtypes(c) == {"f32"} for c in reordered), \
+        [(c.bytes, dtypes(c)) for c in reordered]
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")

@@ -91,6 +91,29 @@ def test_micro_batches_over_data_reduce_the_gradients_once_and_equal_one_device(
     assert over_data and all(c.executions == 1 for c in over_data), [(c.name, c.executions) for c in over_data]
 
 
+@needs_devices(4)
+def test_micro_batches_over_data_and_context_reduce_the_gradients_once_and_equal_one_device():
+    """Context parallel (Ulysses) beside data: the micro-batch loop runs manual over both, each rank
+    on its chunk of every row (a token's successor at a chunk's end fetched from the next rank,
+    the causal order from the chunk's place in the row), and the gradients cross data x context
+    once a step. Left to the partitioner, every layer's weight gradients were all-reduced over
+    context inside every micro-batch's backward (calibration row R11: 32 micro-batches a step).
+    The step equals one device's."""
+    from xlaopt.step import _sequence_axis
+
+    name, batch = FAMILIES["decoder"]
+    program = TrainProgram(get_config(name, SMALL), MeshSpec.parse("data=2,context=2"),
+                           settings=TrainSettings(batch=batch), execution=dataclasses.replace(FP32, micro_batches=2))
+    laid, _ = check_pass(program)
+    assert _sequence_axis(laid) == "context"
+    found = collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
+    reduced = [c for c in found if c.kind in ("all-reduce", "reduce-scatter") and any(dims for _, dims in c.shapes)]
+    assert [(c.mesh_axes, c.executions) for c in reduced] == [(("data", "context"), 1)], reduced
+    # Inside the loop over context: each layer's attention's all-to-alls, and the token ids at the chunks' ends.
+    assert {"all-to-all", "collective-permute"} <= {c.kind for c in found if "context" in c.mesh_axes
+                                                    and c.executions > 1}
+
+
 def _reduced_in_bfloat16(mesh: str = "data=4,tensor=2", micro_batches: int = 2) -> TrainProgram:
     name, batch = FAMILIES["decoder"]
     return TrainProgram(get_config(name, SMALL), MeshSpec.parse(mesh), settings=TrainSettings(batch=batch),

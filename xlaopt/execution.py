@@ -71,8 +71,9 @@ class ExecutionConfig:
     # parameters are all-gathered back onto every replica.
     sharded_optimizer: bool = False
     # The dtype the data-parallel gradients cross `data` in where xlaopt reduces them itself, once a
-    # step after the micro-batch loop manual over data (`xlaopt.step.accumulate_manual`): bfloat16
-    # sends half float32's bytes, as Megatron-Core does by default (grad_reduce_in_fp32=False).
+    # step after the micro-batch loop manual over data (`xlaopt.transforms.micro_batches`) or after
+    # a 1F1B pipeline's ticks (`xlaopt.models.pipeline_1f1b`): bfloat16 sends half float32's bytes,
+    # as Megatron-Core does by default (grad_reduce_in_fp32=False).
     # Accumulation and the optimizer stay float32. Elsewhere XLA's partitioner places the
     # reduction, and bfloat16 is refused with the reason (`xlaopt.step.why_not_reduced_by_xlaopt`).
     grad_reduce_dtype: str = "float32"

@@ -38,6 +38,10 @@ class Family:
     # The loss can run inside the layer stack, as the stack's tail (`LayerStack.loss`), which a
     # 1F1B pipeline needs.
     loss_in_stack: bool = False
+    # Outside attention each token's work reads that token alone (and its successor's id,
+    # `layers.next_tokens`), and every batch array is (rows, sequence): a step may run manual over
+    # the axis context parallelism splits the sequences over (`step._sequence_axis`).
+    sequence_local: bool = False
     # A generator tower denoising video latents after the text: rows have a text and a generator
     # part, and the model serves a denoising step.
     generates_video: bool = False
@@ -112,7 +116,7 @@ FAMILIES = {
                       trainable_sets=(("generator", cosmos3.GENERATOR_SET),), loss_in_stack=True),
     "decoder": Family("decoder", _module(decoder.Decoder), decoder_batch_spec, decoder.loss_fn, decoder.batch_train_flops,
                       SyntheticText, ("segment_ids_BT",), decoder.attention_calls, lambda c: BatchShape(8, 128, 0),
-                      decodes_text=True, loss_in_stack=True),
+                      decodes_text=True, loss_in_stack=True, sequence_local=True),
     "vit": Family("vit", _module(vit.ViT), vit_batch_spec, vit.loss_fn, vit.batch_train_flops,
                   functools.partial(SyntheticImages, batch_spec=vit_batch_spec),
                   ("segment_ids_BT",), vit.attention_calls, lambda c: BatchShape(8, c.tokens, 0)),

@@ -24,10 +24,11 @@ from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
-from xlaopt.models.layers import activation_constraint, manual_axes, manual_over, rows_split_over
+from xlaopt.models.layers import activation_constraint, gradients_summed_by, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 from xlaopt.transforms import cast_once, weights_once
 from xlaopt.transforms.hierarchical_grads import path_name
+from xlaopt.transforms.micro_batches import accumulate, accumulate_manual
 
 
 def trained_part(program: TrainProgram, tree, is_leaf=None):
@@ -74,11 +75,13 @@ def make_init_model(program: TrainProgram):
 
 def model_loss(program: TrainProgram):
     """(model, loss(model, params, batch, key)): the family's loss, traced with the execution's
-    matmul format (`xlaopt.models.fp8`) installed."""
+    matmul format (`xlaopt.models.fp8`) installed, and how a loop that sums the weights' gradients
+    over data itself sums them (`summed_in`; a 1F1B pipeline's ticks)."""
     loss, matmuls = family_of(program.model).loss, program.execution.matmuls
+    summed = summed_in(program.execution.grad_reduce_dtype, program.target)
 
     def traced(*args):
-        with matmuls_in(matmuls):
+        with matmuls_in(matmuls), gradients_summed_by(summed):
             return loss(*args)
 
     return make_model(program), traced
@@ -115,91 +118,24 @@ def base_grad_fn(program: TrainProgram, scale=None):
     return grad_fn
 
 
-def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None):
-    """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
-    activation memory of one slice), returning the mean loss, metrics and gradients. Each
-    slice's loss is its own per-token mean, so the result weighs slices equally. With `hold`
-    (`_holding`), what `grad_fn` computes from the weights alone runs once, before the loop
-    (`xlaopt.transforms.weights_once`), and `hold(values)` places what the loop reads of it."""
-    if micro_batches == 1:
-        return grad_fn
-
-    def accumulated(params, batch, key):
-        slices = {name: _micro_batches(x, axes[name].index("batch"), micro_batches) for name, x in batch.items()}
-        inputs = lambda i: ({name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))  # noqa: E731
-        return _summed(_each_micro_batch(grad_fn, params, inputs, hold), micro_batches)
-
-    return accumulated
-
-
-def _each_micro_batch(grad_fn, params, inputs, hold):
-    """i -> grad_fn(params, *inputs(i)); with `hold`, the part of it that reads `params` alone
-    computed here, once (`weights_once.split`), and placed by `hold`."""
-    if hold is None:
-        return lambda i: grad_fn(params, *inputs(i))
-    once, each = weights_once.split(grad_fn, params, *jax.eval_shape(inputs, 0))
-    held = hold(once(params))
-    return lambda i: each(held, params, *inputs(i))
-
-
-def _micro_batches(x, axis: int, micro_batches: int):
-    """[..., rows, ...] -> [micro_batches, ..., rows / micro_batches, ...]. Micro-batch i takes
-    every `micro_batches`-th row, so each device's rows (a contiguous block when the rows are
-    sharded) spread over all micro-batches and every micro-batch keeps the batch's sharding;
-    leading slices would put micro-batch i on 1/m of the devices."""
-    x = jnp.moveaxis(x, axis, 0)
-    x = jnp.swapaxes(x.reshape((x.shape[0] // micro_batches, micro_batches) + x.shape[1:]), 0, 1)
-    return jnp.moveaxis(x, 1, axis + 1)
-
-
-def _summed(one, micro_batches: int):
-    """The mean over i < micro_batches of `one(i)` (a tree), one i after another."""
-    def body(total, i):
-        return jax.tree.map(jnp.add, total, one(i)), None
-
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
-    total, _ = jax.lax.scan(body, zeros, jnp.arange(micro_batches))
-    return jax.tree.map(lambda t: t / micro_batches, total)
-
-
-def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce, hold=None):
-    """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
-    each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
-    once, after the last (by `reduce(g, axis)`: `reduced_in`'s psum). Left to the
-    partitioner, every micro-batch's gradients were all-reduced over it inside that micro-batch's
-    backward, `micro_batches` times a step. The draws are made before, on the whole batch, as one
-    device makes them; `rows`: each batch array's and draw's row dimension."""
-    def accumulated(params, batch, key):
-        slices = {name: _micro_batches(x, rows[name], micro_batches) for name, x in batch.items()}
-        drawn = jax.vmap(lambda one, i: draws(one, jax.random.fold_in(key, i)))(slices, jnp.arange(micro_batches))
-        specs = {name: PartitionSpec(*([None] * (rows[name] + 1)), axis) for name in drawn}
-
-        def local(params, drawn, key):
-            # Each rank's loss is its tokens' share of the global mean (`layers.token_mean`).
-            with manual_over((axis,)), rows_split_over(other_row_axes):
-                inputs = lambda i: ({n: x[i] for n, x in drawn.items()}, jax.random.fold_in(key, i))  # noqa: E731
-                loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, hold),
-                                               micro_batches)
-            return (*jax.lax.psum((loss, metrics), axis), jax.tree.map(lambda g: reduce(g, axis), grads))
-
-        return jax.shard_map(local, in_specs=(PartitionSpec(), specs, PartitionSpec()), out_specs=PartitionSpec(),
-                             axis_names={axis}, check_vma=False)(params, drawn, key)
-
-    return accumulated
-
-
-def reduced_in(dtype: str, target: str):
-    """`reduce(g, axis)` for `accumulate_manual`: each gradient summed over `axis` in `dtype` and
-    returned in its own. XLA:CPU widens a bf16 all-reduce to f32 anyway (its AllReducePromotion),
-    and on jax 0.10.2 aborts the process doing so inside a shard_map manual over some of the mesh's
-    axes ("Invalid binary instruction opcode copy"): on the CPU the rounded gradients are summed
-    in f32, as that promotion would sum them, and the sum rounded."""
+def summed_in(dtype: str, target: str):
+    """`sum(g, axes)`: each gradient summed over `axes`, crossing them in `dtype`, and returned in
+    `dtype` (a 1F1B pipeline reorders the sum before widening it). XLA:CPU widens a bf16 all-reduce
+    to f32 anyway (its AllReducePromotion), and on jax 0.10.2 aborts the process doing so inside a
+    shard_map manual over some of the mesh's axes ("Invalid binary instruction opcode copy"): on
+    the CPU the rounded gradients are summed in f32, as that promotion would sum them, and the sum
+    rounded."""
     if dtype == "float32":
         return jax.lax.psum
     if target == "cpu":
-        return lambda g, axis: jax.lax.psum(g.astype(dtype).astype(g.dtype), axis).astype(dtype).astype(g.dtype)
-    return lambda g, axis: jax.lax.psum(g.astype(dtype), axis).astype(g.dtype)
+        return lambda g, axes: jax.lax.psum(g.astype(dtype).astype(g.dtype), axes).astype(dtype)
+    return lambda g, axes: jax.lax.psum(g.astype(dtype), axes)
+
+
+def reduced_in(dtype: str, target: str):
+    """`reduce(g, axes)` for `accumulate_manual`: `summed_in`'s sum returned in the gradient's own dtype."""
+    summed = summed_in(dtype, target)
+    return lambda g, axes: summed(g, axes).astype(g.dtype)
 
 
 def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
@@ -229,10 +165,28 @@ def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:
 
 
 def why_not_reduced_by_xlaopt(program: TrainProgram) -> str | None:
-    """Why the step's data-parallel gradients are not reduced by xlaopt itself, once after the
-    micro-batch loop manual over data (`accumulate_manual`; XLA's partitioner places the reduction
-    instead), or None where they are: several micro-batches, a layout the rows can run manual over
-    data in, and no grad transform that has taken data already."""
+    """Why the step's data-parallel gradients are not reduced by xlaopt itself, once a step (XLA's
+    partitioner places the reduction instead), or None where they are: after the micro-batch loop
+    manual over data (`why_not_manual_loop`), or after a 1F1B pipeline's ticks, which run manual
+    over data where it splits the rows (`xlaopt.models.pipeline_1f1b`)."""
+    execution = program.execution
+    if program.shardings is not None and execution.micro_batches == 1 and execution.layer_stack == "pipeline":
+        from xlaopt.sharding import batch_axes
+
+        if execution.pipeline_schedule != "1f1b" or program.mesh.size(STAGE) == 1:
+            return ("one accumulation step a step (the pipeline's micro-batches run inside it), and the partitioner "
+                    "reduces the gradients of the GPipe loop or of one stage")
+        if DATA not in batch_axes(program):
+            return "the rows are not split over the data axis"
+        return None
+    return why_not_manual_loop(program)
+
+
+def why_not_manual_loop(program: TrainProgram) -> str | None:
+    """Why the micro-batch loop does not run manual over data (`accumulate_manual`: each rank's
+    gradients reduced once, after the last micro-batch), or None where it does: several
+    micro-batches, a layout the rows can run manual over data in, and no grad transform that has
+    taken data already."""
     if program.shardings is None:
         return "the program has no layout yet (run mesh-layout first)"
     if program.execution.micro_batches == 1 and program.execution.layer_stack == "pipeline":
@@ -248,7 +202,7 @@ def why_not_reduced_by_xlaopt(program: TrainProgram) -> str | None:
 
 def _accumulates_manual_over(program: TrainProgram) -> str | None:
     """`data`, where the micro-batch loop runs manual over it (`accumulate_manual`)."""
-    return None if why_not_reduced_by_xlaopt(program) else DATA
+    return None if why_not_manual_loop(program) else DATA
 
 
 def build_grad_fn(program: TrainProgram, scale=None):
@@ -307,20 +261,33 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
         return fn(params, family.with_draws(batch, key), key)
 
     axes = {name: spec[2] for name, spec in batch_spec(program).items()}
-    why_not = why_not_reduced_by_xlaopt(program)
     reduce_dtype = program.execution.grad_reduce_dtype
+    why_not = why_not_reduced_by_xlaopt(program)
     if why_not and reduce_dtype != "float32" and program.shardings is not None:  # (traced before layout too)
         raise UserError(f"execution setting grad_reduce_dtype={reduce_dtype}: xlaopt reduces data-parallel "
-                        f"gradients itself only after the micro-batch loop manual over data, and here "
-                        f"{why_not}; leave it at float32")
-    if not why_not:
+                        f"gradients itself only after the micro-batch loop manual over data or a 1F1B pipeline's "
+                        f"ticks, and here {why_not}; leave it at float32")
+    if not why_not_manual_loop(program):
         from xlaopt.sharding import batch_axes
 
-        rows = {name: list(a).index("batch") for name, a in (*axes.items(), *family.draw_axes)}
+        named = (*axes.items(), *family.draw_axes)
+        rows = {name: list(a).index("batch") for name, a in named}
+        seq = _sequence_axis(program)
+        sequence = (seq, {name: list(a).index("seq") for name, a in named if "seq" in a}) if seq else None
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
-                                 tuple(a for a in batch_axes(program) if a != DATA),
-                                 reduced_in(reduce_dtype, program.target), _holding(program))
+                                 tuple(a for a in batch_axes(program) if a not in (DATA, seq)),
+                                 reduced_in(reduce_dtype, program.target), _holding(program), sequence)
     return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program))
+
+
+def _sequence_axis(program: TrainProgram) -> str | None:
+    """The axis context parallelism splits the sequences over (Ulysses'), where the micro-batch
+    loop manual over data runs manual over it too: a family whose work outside attention reads
+    each token alone (`Family.sequence_local`)."""
+    axis = next((t.axis for t in program.grad_transforms if t.name == "ulysses-attention"), None)
+    if axis is None or program.mesh.size(axis) == 1 or not family_of(program.model).sequence_local:
+        return None
+    return axis
 
 
 def _holding(program: TrainProgram):
