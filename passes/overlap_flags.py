@@ -26,7 +26,8 @@ Options the program already holds (`--xla-option`) are the user's and win; the r
 what was set and what was left.
 
 The pipelined all-gather is left off where the step loops over micro-batches (outside a pipeline)
-and a row's sequence is split (over context, or over tensor by sequence parallelism). There the
+and the partitioner splits a row's sequence (over context, or over tensor by sequence
+parallelism; not a decoder's context, over which the loop runs manual). There the
 micro-batch loop's body gathers activations that its layer loops produce (the head's input, the
 backward's), and XLA's backward pipeliner, which on the GPU accepts any operand chain, moves each
 gather a micro-batch early together with the forward and backward layer loops that feed it:
@@ -70,11 +71,13 @@ def clones_layer_loops(program: TrainProgram) -> str | None:
     """Why XLA's pipelined all-gather would run every micro-batch's layers twice (module
     docstring), or None where it would not."""
     from xlaopt.sharding import RESIDUAL_SEQ
+    from xlaopt.step import manual_sequence_axis
 
     if program.execution.micro_batches == 1 or program.execution.layer_stack == "pipeline":
         return None
+    # A loop manual over the axis (a decoder's context) runs each rank's chunk: nothing to gather.
     split = sorted({a for logical, axes in program.rules if logical in ("seq", RESIDUAL_SEQ)
-                    for a in axes if program.mesh.size(a) > 1})
+                    for a in axes if program.mesh.size(a) > 1} - {manual_sequence_axis(program)})
     if not split:
         return None
     return (f"{program.execution.micro_batches} micro-batches with the sequence split over {', '.join(split)}: the "

@@ -155,15 +155,17 @@ def _split_sequence_program(mesh: str, sequence_parallel: bool, micro_batches: i
 
 def test_the_pipelined_all_gather_is_left_off_where_it_would_clone_the_micro_batch_loops_layers():
     topology = parse_topology("h100:1x8")
-    for mesh, sequence_parallel in (("data=4,context=2", False), ("data=4,tensor=2", True)):
-        program = _split_sequence_program(mesh, sequence_parallel, 4)
-        result = OverlapFlags().run(program, PassContext.for_program(program, topology))
-        assert result.program.compiler_options["xla_gpu_enable_pipelined_all_gather"] is False
-        assert result.program.compiler_options["xla_gpu_enable_pipelined_reduce_scatter"] is True
-        assert "sequence split over" in result.report["pipelined_all_gather_off"]
-    # one micro-batch, a sequence not split, or the user's own choice: the pass keeps it on / leaves it
+    program = _split_sequence_program("data=4,tensor=2", True, 4)
+    result = OverlapFlags().run(program, PassContext.for_program(program, topology))
+    assert result.program.compiler_options["xla_gpu_enable_pipelined_all_gather"] is False
+    assert result.program.compiler_options["xla_gpu_enable_pipelined_reduce_scatter"] is True
+    assert "sequence split over tensor" in result.report["pipelined_all_gather_off"]
+    # One micro-batch, a sequence not split, a decoder's context (its loop runs manual over it, each
+    # rank on its chunk), or the user's own choice: the pass keeps it on / leaves it.
+    program = _split_sequence_program("data=4,context=2", False, 4)
+    context, _ = run_pipeline(program, pipeline()[:-1], ctx=PassContext.for_program(program, topology))  # all but ours
     for program in (_split_sequence_program("data=4,tensor=2", True, 1), _split_sequence_program("fsdp=4,tensor=2", False, 4),
-                    _split_sequence_program("data=4,context=2", False, 4, xla_gpu_enable_pipelined_all_gather=True)):
+                    context, _split_sequence_program("data=4,tensor=2", True, 4, xla_gpu_enable_pipelined_all_gather=True)):
         result = OverlapFlags().run(program, PassContext.for_program(program, topology))
         assert result.program.compiler_options["xla_gpu_enable_pipelined_all_gather"] is True
         assert "pipelined_all_gather_off" not in result.report
@@ -173,7 +175,8 @@ def test_xlas_pipelined_all_gather_runs_a_split_sequences_micro_batches_twice():
     """The fact the rule above rests on, on jax 0.10.2's GPU compiler: with the flag on, the
     compiled step holds every micro-batch's layer loops twice (the clones feed only the gathers
     moved a micro-batch early) and the priced FLOPs double; with the pass's choice they equal one
-    micro-batch's step."""
+    micro-batch's step. (Sequence parallel over tensor: on data=4,context=2 the decoder's loop now
+    runs manual over context and the flag clones nothing, checked below.)"""
     pytest.importorskip("jax_cuda12_plugin", reason="--target gpu needs pip install -e '.[gpu-aot]'")
     from xlaopt.analysis.analyze import analyze
 
@@ -181,8 +184,12 @@ def test_xlas_pipelined_all_gather_runs_a_split_sequences_micro_batches_twice():
     flops = {}
     for label, micro_batches, forced in (("one", 1, {}), ("pass", 4, {}),
                                           ("forced", 4, {"xla_gpu_enable_pipelined_all_gather": True})):
-        program = _split_sequence_program("data=4,context=2", False, micro_batches, **forced)
+        program = _split_sequence_program("data=4,tensor=2", True, micro_batches, **forced)
         program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, topology))
         flops[label] = analyze(program, topology)["hlo_flops_over_model_flops"]
     assert flops["pass"] == pytest.approx(flops["one"], rel=0.02)
     assert flops["forced"] > 1.6 * flops["one"], flops
+    program = _split_sequence_program("data=4,context=2", False, 4)
+    program, _ = run_pipeline(program, pipeline(), ctx=PassContext.for_program(program, topology))
+    assert program.compiler_options["xla_gpu_enable_pipelined_all_gather"] is True
+    assert analyze(program, topology)["hlo_flops_over_model_flops"] == pytest.approx(flops["one"], rel=0.02)

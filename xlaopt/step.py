@@ -280,6 +280,11 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
     return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program))
 
 
+def manual_sequence_axis(program: TrainProgram) -> str | None:
+    """The axis splitting the sequences that the micro-batch loop runs manual over, if any."""
+    return None if why_not_manual_loop(program) else _sequence_axis(program)
+
+
 def _sequence_axis(program: TrainProgram) -> str | None:
     """The axis context parallelism splits the sequences over (Ulysses'), where the micro-batch
     loop manual over data runs manual over it too: a family whose work outside attention reads
