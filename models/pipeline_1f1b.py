@@ -264,8 +264,11 @@ def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable):
     over InfiniBand)."""
     if not summed:
         return to_contiguous(d_chunks)
-    total = to_contiguous(summed_gradients(d_chunks, summed))
-    return jax.tree.map(lambda t, d: t.astype(d.dtype), total, d_chunks)
+    return _in_dtypes_of(to_contiguous(summed_gradients(d_chunks, summed)), d_chunks)
+
+
+def _in_dtypes_of(tree, like):
+    return jax.tree.map(lambda t, d: t.astype(d.dtype), tree, like)
 
 
 def _reduced(acc, summed: tuple[str, ...]):
@@ -277,7 +280,7 @@ def _reduced(acc, summed: tuple[str, ...]):
     d_params, d_tail, d_carry, d_args, reported = acc
     scatter = lambda d: jax.lax.psum_scatter(d, STAGE, scatter_dimension=0, tiled=True)[None]  # noqa: E731
     if summed:  # crossing data as the weights' do (only the last stage's are not zero)
-        d_tail = jax.tree.map(lambda t, d: t.astype(d.dtype), summed_gradients(d_tail, (STAGE, *summed)), d_tail)
+        d_tail = _in_dtypes_of(summed_gradients(d_tail, (STAGE, *summed)), d_tail)
     else:
         d_tail = jax.lax.psum(d_tail, STAGE)
     return (jax.lax.psum(reported, (STAGE, *summed)),

@@ -99,13 +99,13 @@ def test_micro_batches_over_data_and_context_reduce_the_gradients_once_and_equal
     once a step. Left to the partitioner, every layer's weight gradients were all-reduced over
     context inside every micro-batch's backward (calibration row R11: 32 micro-batches a step).
     The step equals one device's."""
-    from xlaopt.step import _sequence_axis
+    from xlaopt.step import manual_sequence_axis
 
     name, batch = FAMILIES["decoder"]
     program = TrainProgram(get_config(name, SMALL), MeshSpec.parse("data=2,context=2"),
                            settings=TrainSettings(batch=batch), execution=dataclasses.replace(FP32, micro_batches=2))
     laid, _ = check_pass(program)
-    assert _sequence_axis(laid) == "context"
+    assert manual_sequence_axis(laid) == "context"
     found = collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
     reduced = [c for c in found if c.kind in ("all-reduce", "reduce-scatter") and any(dims for _, dims in c.shapes)]
     assert [(c.mesh_axes, c.executions) for c in reduced] == [(("data", "context"), 1)], reduced

@@ -40,7 +40,7 @@ class Family:
     loss_in_stack: bool = False
     # Outside attention each token's work reads that token alone (and its successor's id,
     # `layers.next_tokens`), and every batch array is (rows, sequence): a step may run manual over
-    # the axis context parallelism splits the sequences over (`step._sequence_axis`).
+    # the axis context parallelism splits the sequences over (`step.manual_sequence_axis`).
     sequence_local: bool = False
     # A generator tower denoising video latents after the text: rows have a text and a generator
     # part, and the model serves a denoising step.

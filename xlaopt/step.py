@@ -272,7 +272,7 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
 
         named = (*axes.items(), *family.draw_axes)
         rows = {name: list(a).index("batch") for name, a in named}
-        seq = _sequence_axis(program)
+        seq = manual_sequence_axis(program)
         sequence = (seq, {name: list(a).index("seq") for name, a in named if "seq" in a}) if seq else None
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
                                  tuple(a for a in batch_axes(program) if a not in (DATA, seq)),
@@ -281,26 +281,21 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
 
 
 def manual_sequence_axis(program: TrainProgram) -> str | None:
-    """The axis splitting the sequences that the micro-batch loop runs manual over, if any."""
-    return None if why_not_manual_loop(program) else _sequence_axis(program)
-
-
-def _sequence_axis(program: TrainProgram) -> str | None:
-    """The axis context parallelism splits the sequences over (Ulysses'), where the micro-batch
-    loop manual over data runs manual over it too: a family whose work outside attention reads
-    each token alone (`Family.sequence_local`)."""
+    """The axis context parallelism splits the sequences over (Ulysses') where the micro-batch loop
+    runs manual over it beside data, if any: a loop manual over data, in a family whose work
+    outside attention reads each token alone (`Family.sequence_local`)."""
     axis = next((t.axis for t in program.grad_transforms if t.name == "ulysses-attention"), None)
     if axis is None or program.mesh.size(axis) == 1 or not family_of(program.model).sequence_local:
         return None
-    return axis
+    return None if why_not_manual_loop(program) else axis
 
 
 def _holding(program: TrainProgram):
     """`hold(values)` for the micro-batch loop's weights-only values (`accumulate`): each shaped as
     a parameter constrained to that parameter's layout, where one layout has that shape (left to
     the partitioner, they may be held whole). None with `weights_work_once` off, without fp8
-    matmuls (nothing fp8 to hold, so no split to trace), and where the step recomputes: its backward's recomputed forward quantizes the weights again (JAX keeps the two
-    apart), so the loop held two fp8 copies and their transposes, 13 GiB on Llama 3 8B, and under
+    matmuls (nothing fp8 to hold, so no split to trace), and where the step recomputes: its
+    backward's recomputed forward quantizes the weights again (JAX keeps the two apart), so the loop held two fp8 copies and their transposes, 13 GiB on Llama 3 8B, and under
     Megatron's selective recomputation on fsdp=8 the step went 11.17 -> 12.66 s, its peak 62.1 ->
     70.4 GiB (`experiments/cast_once.py --setting weights_work_once`)."""
     execution = program.execution
