@@ -51,7 +51,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import STAGE
-from xlaopt.models.layers import manual_axes, manual_over, rows_split_over, summed_gradients
+from xlaopt.models.layers import accumulated_dtype, manual_axes, manual_over, rows_split_over, summed_gradients
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 from xlaopt.transforms import cast_once
 
@@ -247,16 +247,17 @@ def _add_at(d, i, g):
 
 
 def _accumulators(chunks):
-    """Zero gradient accumulators shaped and split like `chunks`: `0 * w`, not a fresh zero, so
-    that XLA's partitioner splits each over the tensor ranks as it splits the weight. From
-    `zeros_like`, it lost the split at the scatter-add and all-reduced the gradients over `tensor`
-    at every tick (calibration row N03: 3.9x the tensor bytes). XLA keeps the product (x * 0 is
-    not 0 for an infinite or NaN x); it costs one pass over the weights a step."""
-    return jax.tree.map(lambda w: w * jnp.zeros((), w.dtype), chunks)
+    """Zero gradient accumulators shaped and split like `chunks`, in the dtype the step accumulates
+    in (`layers.accumulated_dtype`): `0 * w`, not a fresh zero, so that XLA's partitioner splits
+    each over the tensor ranks as it splits the weight. From `zeros_like`, it lost the split at the
+    scatter-add and all-reduced the gradients over `tensor` at every tick (calibration row N03:
+    3.9x the tensor bytes). XLA keeps the product (x * 0 is not 0 for an infinite or NaN x); it
+    costs one pass over the weights a step."""
+    return jax.tree.map(lambda w: (w * jnp.zeros((), w.dtype)).astype(accumulated_dtype(w)), chunks)
 
 
 def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable):
-    """The weights' gradients of the ticks (round order, fp32) summed over the manual axes that
+    """The weights' gradients of the ticks (round order, as accumulated) summed over the manual axes that
     split the rows as the step sums gradients (`layers.summed_gradients`: crossing them in bf16
     where it reduces them so, as Megatron-Core does), then in the stage's contiguous order and
     their own dtype. Summed first, so that the reorder across the stages sends what crossed data:
@@ -271,12 +272,18 @@ def _in_dtypes_of(tree, like):
     return jax.tree.map(lambda t, d: t.astype(d.dtype), tree, like)
 
 
-def _reduced(acc, summed: tuple[str, ...]):
+def _as_accumulated(tree):
+    """`tree` (gradients) in the dtype the step accumulates them in (`layers.accumulated_dtype`)."""
+    return jax.tree.map(lambda d: d.astype(accumulated_dtype(d)), tree)
+
+
+def _reduced(acc, summed: tuple[str, ...], params):
     """(loss, gradients) of the device from the tick loop's sums (the weights' summed already,
     `_weights_summed`): the loss and the tail's summed over the manual axes that split the rows and
     the stages, the tail's as the weights'. Only stage 0 wrote the carry's gradient and every stage
     its share of the args': the sum over `stage` hands each its micro-batches' rows, as GPipe's
-    loop hands its output."""
+    loop hands its output. The weights' and the tail's in the dtypes of `params` = (the weights,
+    the tail's), for the optimizer, where they were accumulated narrower (`grad_accumulate_dtype`)."""
     d_params, d_tail, d_carry, d_args, reported = acc
     scatter = lambda d: jax.lax.psum_scatter(d, STAGE, scatter_dimension=0, tiled=True)[None]  # noqa: E731
     if summed:  # crossing data as the weights' do (only the last stage's are not zero)
@@ -284,7 +291,7 @@ def _reduced(acc, summed: tuple[str, ...]):
     else:
         d_tail = jax.lax.psum(d_tail, STAGE)
     return (jax.lax.psum(reported, (STAGE, *summed)),
-            (d_params, d_tail, jax.tree.map(scatter, d_carry), jax.tree.map(scatter, d_args)))
+            (*_in_dtypes_of((d_params, d_tail), params), jax.tree.map(scatter, d_carry), jax.tree.map(scatter, d_args)))
 
 
 def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedule, split, data, seq):
@@ -325,7 +332,7 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(
                 tail_params, y, ta, extra)
             as_f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-            return (as_f32(loss), jax.tree.map(as_f32, metrics)), d_tail, dy
+            return (as_f32(loss), jax.tree.map(as_f32, metrics)), _as_accumulated(d_tail), dy
 
         def backward(kept, dy, v):
             return rebuild(chunk(once, v), kept)(dy)
@@ -360,10 +367,10 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             return (sent_y, sent_dy, ring, acc), None
 
         ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
-        acc = (_accumulators(own), _zeros(tail_params), _zeros(carry_M), _zeros(parts(args_M)[0]),
+        acc = (_accumulators(own), _as_accumulated(_zeros(tail_params)), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))
         d_chunks, *rest = acc
-        return _reduced((_weights_summed(d_chunks, summed, to_contiguous), *rest), summed)
+        return _reduced((_weights_summed(d_chunks, summed, to_contiguous), *rest), summed, (params_k, tail_params))
 
     return local

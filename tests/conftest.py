@@ -1,5 +1,7 @@
 """Eight simulated CPU devices for every test, fixed before JAX starts its backends."""
+import collections
 import os
+import re
 import shutil
 import tempfile
 
@@ -114,6 +116,14 @@ def reference_grads(program):
     if single not in _REFERENCE_GRADS:
         _REFERENCE_GRADS[single] = one_step_grads(single)
     return _REFERENCE_GRADS[single]
+
+
+def loop_state(text: str, trips: int) -> collections.Counter:
+    """(dtype, dims) of each array the one loop of `trips` iterations in a compiled module carries
+    (XLA's known trip count), with multiplicity."""
+    (state,) = [line.split(" while(")[0] for line in text.splitlines()
+                if " while(" in line and f'"known_trip_count":{{"n":"{trips}"}}' in line]
+    return collections.Counter(re.findall(r"(\w+)\[([\d,]*)\]", state))
 
 
 def check_pass(program, topology=None, options=None, *, reference: bool = True, dtype: str = "float32"):

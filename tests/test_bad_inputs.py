@@ -356,6 +356,9 @@ ROWS = [
                    "--exec", "pipeline_schedule=1f1b"],
         "pipeline_schedule=1f1b runs the loss inside the layer stack, which the vit family does not do yet (the "
         "cosmos3 and decoder families do); use pipeline_schedule=gpipe", UNCHANGED),
+    Row("grad-accumulate-dtype-without-micro-batches", RANGE, "`verify --exec grad_accumulate_dtype=bfloat16`",
+        lambda w: ["verify", *LLAMA, "--mesh", "data=2", "--exec", "grad_accumulate_dtype=bfloat16"],
+        "grad_accumulate_dtype=bfloat16: one micro-batch a step sums no gradients; leave it at float32", UNCHANGED),
     Row("stages-without-pipeline", RANGE, "`verify --mesh stage=2` (the layers scanned, not pipelined)",
         lambda w: ["verify", *LLAMA, "--mesh", "stage=2"],
         "cuts the layers into 2 pipeline stages, which only a pipeline runs; add --exec layer_stack=pipeline",

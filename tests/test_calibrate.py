@@ -439,8 +439,9 @@ def test_rows_whose_framework_reduces_in_bf16_compile_so_where_xlaopt_reduces():
     """A row whose framework reduces its data-parallel gradients in bf16 (`grad_reduce_bytes` 2,
     Megatron-Core's default) compiles with `grad_reduce_dtype=bfloat16` where xlaopt reduces them
     itself (the micro-batch loop manual over data, or a 1F1B pipeline's ticks:
-    test_pipeline_parallel); where the partitioner does (one micro-batch),
-    it stays float32 and the row says why; a framework reducing in fp32 changes nothing."""
+    test_pipeline_parallel), and sums them over the micro-batches in bf16 (its grad buffer's
+    dtype); where the partitioner reduces (one micro-batch, nothing summed), both stay float32 and
+    the row says why; a framework reducing in fp32 changes nothing."""
     from xlaopt.analysis.calibrate_gpu import _reduced_as_the_row
     from xlaopt.data.batch import BatchShape
     from xlaopt.execution import ExecutionConfig
@@ -458,9 +459,10 @@ def test_rows_whose_framework_reduces_in_bf16_compile_so_where_xlaopt_reduces():
     megatron, fp32 = analytic.Software(), analytic.Software(grad_reduce_bytes=4)
     program, why = _reduced_as_the_row(laid(2), megatron)
     assert program.execution.grad_reduce_dtype == "bfloat16" and why == ""
+    assert program.execution.grad_accumulate_dtype == "bfloat16"  # Megatron-Core's grad buffer
     assert _reduced_as_the_row(laid(2), fp32) == (laid(2), "")
     program, why = _reduced_as_the_row(laid(1), megatron)
-    assert program.execution.grad_reduce_dtype == "float32"
+    assert program.execution.grad_reduce_dtype == "float32" and program.execution.grad_accumulate_dtype == "float32"
     assert why.startswith("data-parallel gradients reduced in float32 where the row's framework reduced them in bf16: "
                           "one micro-batch a step")
 

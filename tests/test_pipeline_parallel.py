@@ -2,6 +2,7 @@
 arithmetic; steps equal to one device's with FSDP, tensor and context parallelism (and the passes
 that rewrite them) inside the stages; the compiled step's stage-to-stage sends and each stage
 holding only its own layers."""
+import collections
 import dataclasses
 import json
 import shutil
@@ -30,7 +31,7 @@ from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.runtime.verify import tolerance_key
 
-from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, needs_devices
+from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, loop_state, needs_devices
 
 PIPELINE = ExecutionConfig(compute_dtype="float32", layer_stack="pipeline")
 
@@ -170,12 +171,12 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
         get_config("cosmos3-tiny", dict(num_layers=4)), "stage=2,fsdp=2,tensor=2", None,
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
         None, set()),
-    # The weights' gradients summed over data in bf16 (`grad_reduce_dtype`), then reordered:
-    # equal to one device within bf16's tolerance.
-    "llama-interleaved-1f1b-data-tensor-bf16-reduce": (
+    # The weights' gradients summed over the ticks in bf16 (`grad_accumulate_dtype`), then over
+    # data in bf16 (`grad_reduce_dtype`), then reordered: equal to one device within bf16's tolerance.
+    "llama-interleaved-1f1b-data-tensor-bf16-grads": (
         get_config("llama-tiny"), "stage=2,data=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2,
-                            grad_reduce_dtype="bfloat16"), None, set()),
+                            grad_reduce_dtype="bfloat16", grad_accumulate_dtype="bfloat16"), None, set()),
     "llama-1f1b-fsdp-tensor-weights-once": (
         get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),
@@ -339,8 +340,10 @@ def test_on_the_gpu_target_1f1b_gradients_cross_data_and_the_stages_in_bfloat16(
     """Interleaved 1F1B on stage=2,data=2 with `grad_reduce_dtype=bfloat16`, deviceless H100s: the
     weights' gradients are summed over data in bf16 once a step, then reordered across the
     stages in bf16 (what crossed data, half fp32's bytes); refused for GPipe's loop, whose
-    gradients the partitioner reduces."""
-    from xlaopt.step import why_not_reduced_by_xlaopt
+    gradients the partitioner reduces. With `grad_accumulate_dtype=bfloat16` the tick loop
+    carries the accumulators in bf16: every float32 array it carried of a chunk's weights' shape
+    becomes bf16."""
+    from xlaopt.step import abstract_state, why_not_accumulated_by_xlaopt, why_not_reduced_by_xlaopt
 
     def laid_out(schedule: str) -> TrainProgram:
         program = TrainProgram(get_config("llama-tiny", {"num_layers": 4}), MeshSpec.parse("stage=2,data=2"),
@@ -363,6 +366,17 @@ def test_on_the_gpu_target_1f1b_gradients_cross_data_and_the_stages_in_bfloat16(
     reordered = [c for c in found if c.kind == "collective-permute" and c.executions == 1 and c.bytes > 1024]
     assert any(dtypes(c) == {"bf16"} for c in reordered) and not any(dtypes(c) == {"f32"} for c in reordered), \
         [(c.bytes, dtypes(c)) for c in reordered]
+    assert "GPipe" in why_not_accumulated_by_xlaopt(laid_out("gpipe")) and why_not_accumulated_by_xlaopt(laid) is None
+    narrow = laid.replace(execution=dataclasses.replace(laid.execution, grad_accumulate_dtype="bfloat16"))
+    ticks = 2 * 4 + 2 * 2 + 2 - 2  # V M + V P + P - 2
+    state = {p: loop_state(compile_program(p, mesh).train_step.as_text(), ticks) for p in (laid, narrow)}
+    # One accumulator a stacked weight, [V, k / V, ...] (a stage's 2 of the 4 layers in 2 chunks),
+    # and one for each of the tail's: the final norm's and the head's (llama-tiny: d_model 256).
+    chunks = collections.Counter(",".join(map(str, (2, 1, *w.shape[1:])))
+                                 for w in jax.tree.leaves(abstract_state(laid).params) if w.shape[:1] == (4,))
+    chunks.update(["256", "256,4096"])
+    assert state[laid] - state[narrow] == collections.Counter({("f32", dims): n for dims, n in chunks.items()})
+    assert state[narrow] - state[laid] == collections.Counter({("bf16", dims): n for dims, n in chunks.items()})
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")

@@ -2,6 +2,7 @@
 attention, compute the same loss and gradients (within `verify`'s float32 tolerance) as scan with
 dense attention, for both model families on a sharded mesh,
 and the compiled step shows the strategy; micro-batches accumulate exactly their slices."""
+import collections
 import dataclasses
 
 import jax
@@ -22,7 +23,7 @@ from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.runtime.verify import compare, one_step_grads
 from xlaopt.step import base_grad_fn
 
-from conftest import SMALL, check_pass, needs_devices
+from conftest import SMALL, check_pass, loop_state, needs_devices
 
 FP32 = ExecutionConfig(compute_dtype="float32")
 FAMILIES = {"cosmos3": ("cosmos3-tiny", BatchShape(8, 48, 96)), "decoder": ("llama-tiny", BatchShape(8, 64, 0))}
@@ -138,6 +139,31 @@ def test_gradients_reduced_over_data_in_bfloat16_equal_one_device_and_are_rounde
     one, _ = run_pipeline(_reduced_in_bfloat16(micro_batches=1), pipeline())
     with pytest.raises(UserError, match="grad_reduce_dtype=bfloat16: .* one micro-batch a step"):
         compile_program(one).lowered  # noqa: B018
+
+
+@needs_devices(2)
+def test_gradients_accumulated_in_bfloat16_equal_one_device_and_the_loop_carries_them_so():
+    """`grad_accumulate_dtype=bfloat16`: the micro-batch loop sums the gradients in bf16, as
+    Megatron-Core's grad buffer sums them where it reduces in bf16, and the step equals one
+    device's within bf16's tolerance. The loop carries one bf16 accumulator for each float32 one
+    the float32 sum carries, of every parameter's shape. One micro-batch sums nothing: refused."""
+    from xlaopt.runtime.verify import tolerance_key
+    from xlaopt.step import abstract_state
+
+    name, batch = FAMILIES["decoder"]
+    program = TrainProgram(get_config(name, SMALL), MeshSpec.parse("data=2"), settings=TrainSettings(batch=batch),
+                           execution=dataclasses.replace(FP32, micro_batches=4, grad_accumulate_dtype="bfloat16"))
+    assert tolerance_key(program.execution) == "bfloat16"
+    laid, _ = check_pass(program, dtype="bfloat16")
+    exact = laid.replace(execution=dataclasses.replace(laid.execution, grad_accumulate_dtype="float32"))
+    narrow, wide = (loop_state(compile_program(p).train_step.as_text(), trips=4) for p in (laid, exact))
+    params = abstract_state(exact).params
+    shapes = collections.Counter(",".join(map(str, p.shape)) for p in jax.tree.leaves(params))
+    assert (narrow - wide) == collections.Counter({("bf16", dims): n for dims, n in shapes.items()})
+    assert (wide - narrow) == collections.Counter({("f32", dims): n for dims, n in shapes.items()})
+    one = program.replace(execution=dataclasses.replace(program.execution, micro_batches=1))
+    with pytest.raises(UserError, match="grad_accumulate_dtype=bfloat16: one micro-batch a step sums no gradients"):
+        compile_program(run_pipeline(one, pipeline())[0]).lowered  # noqa: B018
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")

@@ -7,7 +7,8 @@ a checkpoint resumes under any execution config (the parameters and the data are
 while a different model or data is refused.
 
 Precision: the model computes in `compute_dtype` (its linear projections in fp8 with
-`matmuls="fp8"`); master weights, gradients and the optimizer state are fp32 whatever it is.
+`matmuls="fp8"`); master weights, gradients and the optimizer state are fp32 whatever it is,
+except where `grad_accumulate_dtype` has a step's gradients summed over its micro-batches in bf16.
 float16 also scales the loss dynamically (`xlaopt.loss_scale`), starting at `loss_scale_init`
 and doubling after `loss_scale_growth_interval` finite steps in a row; bfloat16 and float32
 have float32's exponent range, need no scaling and ignore both.
@@ -30,7 +31,7 @@ from xlaopt.models.stack import STRATEGIES, StackSpec
 # Compute dtypes of the precision policy; master weights and optimizer state are always fp32.
 DTYPES = ("bfloat16", "float16", "float32")
 TARGETS = ("cpu", "gpu")
-GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+GRAD_DTYPES = ("float32", "bfloat16")  # gradients reduced and accumulated in
 # The attention each target runs fast: cuDNN's fused kernel is the only fast one on a GPU; on the
 # CPU, dense (the same pairs as any other, without a fused kernel to do better).
 TARGET_ATTENTION = {"cpu": "dense", "gpu": "cudnn"}
@@ -73,10 +74,18 @@ class ExecutionConfig:
     # The dtype the data-parallel gradients cross `data` in where xlaopt reduces them itself, once a
     # step after the micro-batch loop manual over data (`xlaopt.transforms.micro_batches`) or after
     # a 1F1B pipeline's ticks (`xlaopt.models.pipeline_1f1b`): bfloat16 sends half float32's bytes,
-    # as Megatron-Core does by default (grad_reduce_in_fp32=False).
-    # Accumulation and the optimizer stay float32. Elsewhere XLA's partitioner places the
-    # reduction, and bfloat16 is refused with the reason (`xlaopt.step.why_not_reduced_by_xlaopt`).
+    # as Megatron-Core does by default (grad_reduce_in_fp32=False). Elsewhere XLA's partitioner
+    # places the reduction, and bfloat16 is refused with the reason
+    # (`xlaopt.step.why_not_reduced_by_xlaopt`).
     grad_reduce_dtype: str = "float32"
+    # The dtype the gradients are summed in over a step's micro-batches (the micro-batch loop's
+    # accumulators, a 1F1B pipeline's ticks'); widened to float32 for the optimizer after the last.
+    # bfloat16 is what Megatron-Core does where it reduces in bf16: its grad buffer, in the dtype it
+    # reduces in, is the one its weight-gradient GEMMs accumulate into (`grad_dtype = torch.float
+    # if grad_reduce_in_fp32 else param.dtype`, distributed_data_parallel.py). Each micro-batch's
+    # sum is rounded to bf16: with m micro-batches a gradient moves by up to about m bf16 steps.
+    # Refused where the step accumulates nothing (`xlaopt.step.why_not_accumulated_by_xlaopt`).
+    grad_accumulate_dtype: str = "float32"
     # The weights the loss reads once, through a cast to the compute dtype, cast once a step before
     # the micro-batch loop instead of at every micro-batch (`xlaopt.transforms.cast_once`): the same
     # numbers, less memory traffic and a narrower gradient buffer. Off only to compare.
@@ -94,7 +103,8 @@ class ExecutionConfig:
 
     def __post_init__(self):
         choices = {"compute_dtype": DTYPES, "matmuls": MATMULS, "remat": REMAT_POLICIES, "attention": ATTENTION,
-                   "layer_stack": STRATEGIES, "grad_reduce_dtype": GRAD_REDUCE_DTYPES}
+                   "layer_stack": STRATEGIES, "grad_reduce_dtype": GRAD_DTYPES,
+                   "grad_accumulate_dtype": GRAD_DTYPES}
         for field, valid in choices.items():
             if getattr(self, field) not in valid:
                 raise UserError(f"execution setting {field}={getattr(self, field)!r}; use one of {', '.join(valid)}")

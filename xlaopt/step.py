@@ -24,7 +24,7 @@ from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
-from xlaopt.models.layers import activation_constraint, gradients_summed_by, manual_axes
+from xlaopt.models.layers import activation_constraint, gradients_accumulated_in, gradients_summed_by, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 from xlaopt.transforms import cast_once, weights_once
 from xlaopt.transforms.hierarchical_grads import path_name
@@ -79,9 +79,10 @@ def model_loss(program: TrainProgram):
     over data itself sums them (`summed_in`; a 1F1B pipeline's ticks)."""
     loss, matmuls = family_of(program.model).loss, program.execution.matmuls
     summed = summed_in(program.execution.grad_reduce_dtype, program.target)
+    accumulated = _accumulated_dtype(program)
 
     def traced(*args):
-        with matmuls_in(matmuls), gradients_summed_by(summed):
+        with matmuls_in(matmuls), gradients_summed_by(summed), gradients_accumulated_in(accumulated):
             return loss(*args)
 
     return make_model(program), traced
@@ -128,7 +129,7 @@ def summed_in(dtype: str, target: str):
     if dtype == "float32":
         return jax.lax.psum
     if target == "cpu":
-        return lambda g, axes: jax.lax.psum(g.astype(dtype).astype(g.dtype), axes).astype(dtype)
+        return lambda g, axes: jax.lax.psum(g.astype(dtype).astype(jnp.float32), axes).astype(dtype)
     return lambda g, axes: jax.lax.psum(g.astype(dtype), axes)
 
 
@@ -276,8 +277,34 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
         sequence = (seq, {name: list(a).index("seq") for name, a in named if "seq" in a}) if seq else None
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
                                  tuple(a for a in batch_axes(program) if a not in (DATA, seq)),
-                                 reduced_in(reduce_dtype, program.target), _holding(program), sequence)
-    return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program))
+                                 reduced_in(reduce_dtype, program.target), _holding(program), sequence,
+                                 _accumulated_dtype(program))
+    return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program), _accumulated_dtype(program))
+
+
+def _accumulated_dtype(program: TrainProgram) -> str | None:
+    """The dtype the step's gradients are summed in over its micro-batches, where not float32
+    (`grad_accumulate_dtype`), else None; refused where nothing is summed over them."""
+    dtype = program.execution.grad_accumulate_dtype
+    if dtype == "float32":
+        return None
+    why_not = why_not_accumulated_by_xlaopt(program)
+    if why_not:
+        raise UserError(f"execution setting grad_accumulate_dtype={dtype}: {why_not}; leave it at float32")
+    return dtype
+
+
+def why_not_accumulated_by_xlaopt(program: TrainProgram) -> str | None:
+    """Why the step does not sum gradients over micro-batches itself, or None where it does: in its
+    micro-batch loop, or in a 1F1B pipeline's ticks over several stages."""
+    execution = program.execution
+    if execution.micro_batches > 1:
+        return None
+    if execution.layer_stack != "pipeline":
+        return "one micro-batch a step sums no gradients"
+    if execution.pipeline_schedule != "1f1b" or program.mesh.size(STAGE) == 1:
+        return "JAX's transpose of the GPipe loop (or of one stage) sums its micro-batches' gradients, in float32"
+    return None
 
 
 def manual_sequence_axis(program: TrainProgram) -> str | None:

@@ -16,7 +16,8 @@ and tensor degrees with the tensor ranks innermost (the frameworks' order), with
 recomputation as its named policy, its sequence parallelism as the rule table's, and its
 data-parallel gradients crossing data in bf16 where its framework reduced them so (Megatron-Core's
 default; `grad_reduce_dtype`, where xlaopt reduces them itself, said among the approximations
-where it cannot); Megatron's and NeMo's rows with their vocabulary padded as those frameworks pad it
+where it cannot) and summed over the micro-batches in bf16 there too (`grad_accumulate_dtype`:
+Megatron-Core's grad buffer, which its GEMMs accumulate into, has the dtype it reduces in); Megatron's and NeMo's rows with their vocabulary padded as those frameworks pad it
 (`vocab_as_run`). cuDNN's fused
 attention calls, which XLA's cost analysis gives no FLOPs, are given those of rows holding one
 document each, causal across the row, as the frameworks train by default and the analytic model
@@ -247,10 +248,15 @@ def compile_gpu_step(priced) -> GpuStep | str:
 def _reduced_as_the_row(program, software):
     """`program` with its data-parallel gradients reduced in bfloat16 where the row's framework
     reduced them so (`Software.grad_reduce_bytes` 2: Megatron-Core's default) and xlaopt reduces
-    them itself; and, where it cannot, what that leaves out ("" otherwise)."""
-    from xlaopt.step import why_not_reduced_by_xlaopt
+    them itself, and summed over the micro-batches in bfloat16 where xlaopt sums them (the
+    framework's grad buffer); and, where it cannot reduce them so, what that leaves out ("" otherwise)."""
+    from xlaopt.step import why_not_accumulated_by_xlaopt, why_not_reduced_by_xlaopt
 
-    if software.grad_reduce_bytes != 2 or program.mesh.size("data") == 1:
+    if software.grad_reduce_bytes != 2:
+        return program, ""
+    if not why_not_accumulated_by_xlaopt(program):
+        program = program.replace(execution=dataclasses.replace(program.execution, grad_accumulate_dtype="bfloat16"))
+    if program.mesh.size("data") == 1:
         return program, ""
     why = why_not_reduced_by_xlaopt(program)
     if why:

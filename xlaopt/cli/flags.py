@@ -40,8 +40,8 @@ def program_args(p: argparse.ArgumentParser, default_dtype: str) -> None:
     p.set_defaults(default_dtype=default_dtype)
     p.add_argument("--exec", action="append", default=[], metavar="KEY=VALUE",
                    help="an execution setting (xlaopt.execution: remat, attention, attention_block, layer_stack, "
-                        "micro_batches, sharded_optimizer (ZeRO-1), grad_reduce_dtype, loss_scale_init, "
-                        "loss_scale_growth_interval), e.g. --exec remat=full (repeatable); a resume accepts any")
+                        "micro_batches, sharded_optimizer (ZeRO-1), grad_reduce_dtype, grad_accumulate_dtype, "
+                        "loss_scale_init, loss_scale_growth_interval), e.g. --exec remat=full (repeatable); a resume accepts any")
     p.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option, e.g. --xla-option xla_cpu_enable_fast_math=false (repeatable)")
     p.add_argument("--pass-option", action="append", default=[], metavar="PASS.FIELD=VALUE",

@@ -40,6 +40,8 @@ reductions) and nothing else:
     under bfloat16's tolerances whatever the compute dtype, each gradient being rounded to bf16
     once. Measured on llama-tiny in float32, data=4,tensor=2, 2 micro-batches: worst gradient
     2.4e-3 (8.9e-7 reduced in float32); a missing or doubled reduction is still off by 1/4 or more.
+  grad_accumulate_dtype=bfloat16 (each micro-batch's gradients added to a bf16 sum): the same,
+    the sum rounded to bf16 once a micro-batch.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def tolerance_key(execution) -> str:
     bfloat16 are each rounded to it once, so a float32 step is compared as a bfloat16 one."""
     if execution.matmuls == "fp8":
         return "fp8"
-    if execution.compute_dtype == "float32" and execution.grad_reduce_dtype == "bfloat16":
+    if execution.compute_dtype == "float32" and "bfloat16" in (execution.grad_reduce_dtype,
+                                                                 execution.grad_accumulate_dtype):
         return "bfloat16"
     return execution.compute_dtype
 
@@ -84,8 +87,8 @@ def reference_program(program: TrainProgram) -> TrainProgram:
         execution = dataclasses.replace(execution, compute_dtype=REFERENCE_DTYPES[execution.compute_dtype])
     if execution.layer_stack == "pipeline":
         execution = dataclasses.replace(execution, layer_stack="scan", pipeline_microbatches=0)
-    # One device reduces nothing over data.
-    execution = dataclasses.replace(execution, grad_reduce_dtype="float32")
+    # One device reduces nothing over data; its gradients are summed as exactly as it can.
+    execution = dataclasses.replace(execution, grad_reduce_dtype="float32", grad_accumulate_dtype="float32")
     return program.replace(mesh=MeshSpec(), shardings=None, execution=execution)
 
 

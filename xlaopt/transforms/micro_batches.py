@@ -17,25 +17,27 @@ from xlaopt.models.layers import manual_over, rows_split_over, sequence_split_ov
 from xlaopt.transforms import weights_once
 
 
-def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None):
+def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None, grad_dtype=None):
     """`grad_fn` over `micro_batches` slices of the batch's rows, one after another (peak
     activation memory of one slice), returning the mean loss, metrics and gradients. Each
     slice's loss is its own per-token mean, so the result weighs slices equally. With `hold`
     (`step._holding`), what `grad_fn` computes from the weights alone runs once, before the loop
-    (`xlaopt.transforms.weights_once`), and `hold(values)` places what the loop reads of it."""
+    (`xlaopt.transforms.weights_once`), and `hold(values)` places what the loop reads of it. The
+    gradients are summed in `grad_dtype` where given (`grad_accumulate_dtype`), returned in their
+    own."""
     if micro_batches == 1:
         return grad_fn
 
     def accumulated(params, batch, key):
         slices = {name: _micro_batches(x, axes[name].index("batch"), micro_batches) for name, x in batch.items()}
         inputs = lambda i: ({name: x[i] for name, x in slices.items()}, jax.random.fold_in(key, i))  # noqa: E731
-        return _summed(_each_micro_batch(grad_fn, params, inputs, hold), micro_batches)
+        return _summed(_each_micro_batch(grad_fn, params, inputs, hold), micro_batches, grad_dtype)
 
     return accumulated
 
 
 def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce, hold=None, sequence: tuple[str, dict[str, int]] | None = None):
+                      reduce, hold=None, sequence: tuple[str, dict[str, int]] | None = None, grad_dtype=None):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
     once, after the last (by `reduce(g, axes)`: `step.reduced_in`'s psum). Left to the
@@ -63,7 +65,7 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
             with manual_over(manual), rows_split_over(other_row_axes), sequence_split_over(seq_axis):
                 inputs = lambda i: ({n: x[i] for n, x in drawn.items()}, jax.random.fold_in(key, i))  # noqa: E731
                 loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, hold),
-                                               micro_batches)
+                                               micro_batches, grad_dtype)
             return (*jax.lax.psum((loss, metrics), manual), jax.tree.map(lambda g: reduce(g, manual), grads))
 
         return jax.shard_map(local, in_specs=(PartitionSpec(), {n: spec(n) for n in drawn}, PartitionSpec()),
@@ -92,11 +94,15 @@ def _micro_batches(x, axis: int, micro_batches: int):
     return jnp.moveaxis(x, 1, axis + 1)
 
 
-def _summed(one, micro_batches: int):
-    """The mean over i < micro_batches of `one(i)` (a tree), one i after another."""
-    def body(total, i):
-        return jax.tree.map(jnp.add, total, one(i)), None
+def _summed(one, micro_batches: int, grad_dtype=None):
+    """The mean over i < micro_batches of `one(i)` = (loss, metrics, gradients), one i after
+    another; the gradients summed in `grad_dtype` where given, the mean taken in their own."""
+    loss, metrics, grads = jax.eval_shape(one, 0)
+    summed_as = (loss, metrics, jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, grad_dtype or g.dtype), grads))
 
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(one, 0))
+    def body(total, i):
+        return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one(i)), None
+
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), summed_as)
     total, _ = jax.lax.scan(body, zeros, jnp.arange(micro_batches))
-    return jax.tree.map(lambda t: t / micro_batches, total)
+    return jax.tree.map(lambda t, a: t.astype(a.dtype) / micro_batches, total, (loss, metrics, grads))
