@@ -138,9 +138,12 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> PartitionSpec:
-    """`spec` with `data` added (outermost) to the first dimension its split and `data` together
+    """`spec` with `data` added (innermost) to the first dimension its split and `data` together
     divide: state every data replica would otherwise hold whole (the optimizer's, under
-    `sharded_optimizer`). Unchanged where no dimension divides (a scalar, AdamW's count)."""
+    `sharded_optimizer`). Unchanged where no dimension divides (a scalar, AdamW's count).
+    Innermost, so that a replica's share lies inside the block of the weight its device holds and
+    is sliced out where it is: outermost, XLA collective-permuted the gradients across the stages
+    and replicas onto the split (calibration row R12: eight fp32 stacks, 0.44 s exposed)."""
     ways = mesh.size("data")
     taken = {a for entry in spec for a in entry_axes(entry)}
     if ways <= 1 or "data" in taken:
@@ -149,7 +152,7 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> Part
     for dim, (entry, size) in enumerate(zip(entries, shape)):
         axes = entry_axes(entry)
         if size % (ways * math.prod(mesh.size(a) for a in axes)) == 0:
-            entries[dim] = ("data", *axes) if axes else "data"
+            entries[dim] = (*axes, "data") if axes else "data"
             while entries[-1] is None:
                 entries.pop()
             return PartitionSpec(*entries)
