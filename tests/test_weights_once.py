@@ -1,7 +1,9 @@
 """The weights' own work run once a step (`xlaopt.transforms.weights_once`): fp8's quantization of
 each weight leaves the micro-batch loop, and the gradients are bit for bit those of the step that
 quantizes at every micro-batch."""
+import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,56 @@ def test_fp8_weights_are_quantized_once_a_step_and_the_gradients_are_bit_for_bit
     assert loss == ref_loss
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_array_equal(got, want)
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    comps, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name, comps[head.group(1)] = head.group(1), []
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            comps[name].append(line)
+    return comps
+
+
+def _quantized_in(text: str, trips: int) -> tuple[collections.Counter, collections.Counter]:
+    """The shapes quantized to E4M3 (a clamp converted, fp8's `quantize`; XLA:CPU's own f8 <-> f16
+    round trips are not clamped) inside the loop of `trips` iterations, and in the whole module."""
+    comps = _computations(text)
+    (loop,) = [line for line in text.splitlines() if " while(" in line and f'"known_trip_count":{{"n":"{trips}"}}' in line]
+    inside, todo = set(), [re.search(r"body=%([\w.\-]+)", loop).group(1)]
+    while todo:  # every computation the loop's body calls, fuses, loops over or branches to
+        name = todo.pop()
+        if name not in inside and name in comps:
+            inside.add(name)
+            todo += [c for line in comps[name] for c in re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", line)]
+            todo += [c for line in comps[name] for group in re.findall(r"branch_computations=\{([^}]*)\}", line)
+                     for c in re.findall(r"%([\w.\-]+)", group)]
+    shapes = lambda names: collections.Counter(  # noqa: E731
+        m for n in names for line in comps[n] for m in re.findall(r"= (f8e4m3fn\[[\d,]*\])\S* convert\(%clamp", line))
+    return shapes(inside), shapes(comps)
+
+
+def test_in_the_compiled_step_no_weight_is_quantized_inside_the_micro_batch_loop():
+    """The same as the compiled module says it (XLA:CPU, 4 micro-batches): inside the loop E4M3
+    quantizes activations only; every weight's per-layer slice is quantized outside it, where the
+    step that quantizes at every micro-batch does it inside."""
+    execution = dataclasses.replace(FP8, micro_batches=4)
+    program = TrainProgram(get_config("llama-tiny", SMALL), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+                           execution=execution)
+    key = jax.random.key(0)
+    params = build_init(program)(key).params
+    batch = SyntheticText(program.model, program.settings.batch, seed=0).batch(0)
+    weights = {"f8e4m3fn[" + ",".join(map(str, (1, *w.shape[1:]))) + "]"
+               for w in jax.tree.leaves(params["layers"]) if w.ndim > 2}
+    texts = {once: jax.jit(build_grad_fn(program.replace(execution=dataclasses.replace(
+        execution, weights_work_once=once)))).lower(params, batch, key).compile().as_text() for once in (True, False)}
+    (once_loop, once_all), (every_loop, _) = (_quantized_in(texts[once], trips=4) for once in (True, False))
+    assert weights <= set(every_loop) and weights <= set(once_all)
+    assert not weights & set(once_loop) and once_loop  # the activations still are, at every micro-batch
 
 
 def test_split_holds_the_fp8_weights_and_their_scales_and_makes_the_rest_again():
