@@ -38,26 +38,6 @@ def _depths(jaxpr, shapes, depth=0) -> set:
     return found
 
 
-def test_fp8_weights_are_quantized_once_a_step_and_the_gradients_are_bit_for_bit_the_same():
-    program = TrainProgram(get_config("llama-tiny", SMALL), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
-                           execution=FP8)
-    key = jax.random.key(0)
-    params = build_init(program)(key).params
-    batch = SyntheticText(program.model, program.settings.batch, seed=0).batch(0)
-    # The layers' projections, as their scan slices them.
-    shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]) if w.ndim > 2}
-    once = build_grad_fn(program)
-    every = build_grad_fn(program.replace(execution=dataclasses.replace(FP8, weights_work_once=False)))
-    # Depth 2: inside the layers' scan inside the micro-batch loop; 1: in the layers' scan alone.
-    assert _depths(jax.make_jaxpr(every)(params, batch, key).jaxpr, shapes) == {2}
-    assert _depths(jax.make_jaxpr(once)(params, batch, key).jaxpr, shapes) == {1}
-    loss, _, grads = jax.jit(once)(params, batch, key)
-    ref_loss, _, ref_grads = jax.jit(every)(params, batch, key)
-    assert loss == ref_loss
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_array_equal(got, want)
-
-
 def _computations(text: str) -> dict[str, list[str]]:
     comps, name = {}, None
     for line in text.splitlines():
@@ -89,23 +69,33 @@ def _quantized_in(text: str, trips: int) -> tuple[collections.Counter, collectio
     return shapes(inside), shapes(comps)
 
 
-def test_in_the_compiled_step_no_weight_is_quantized_inside_the_micro_batch_loop():
-    """The same as the compiled module says it (XLA:CPU, 4 micro-batches): inside the loop E4M3
-    quantizes activations only; every weight's per-layer slice is quantized outside it, where the
-    step that quantizes at every micro-batch does it inside."""
+def test_fp8_weights_are_quantized_once_a_step_and_the_gradients_are_bit_for_bit_the_same():
+    """In the jaxpr and in XLA:CPU's compiled module (4 micro-batches): inside the micro-batch
+    loop E4M3 quantizes activations only, every weight's per-layer slice outside it, where the
+    step that quantizes at every micro-batch does it inside; the gradients are the same."""
     execution = dataclasses.replace(FP8, micro_batches=4)
     program = TrainProgram(get_config("llama-tiny", SMALL), settings=TrainSettings(batch=BatchShape(8, 32, 0)),
                            execution=execution)
     key = jax.random.key(0)
     params = build_init(program)(key).params
     batch = SyntheticText(program.model, program.settings.batch, seed=0).batch(0)
-    weights = {"f8e4m3fn[" + ",".join(map(str, (1, *w.shape[1:]))) + "]"
-               for w in jax.tree.leaves(params["layers"]) if w.ndim > 2}
-    texts = {once: jax.jit(build_grad_fn(program.replace(execution=dataclasses.replace(
-        execution, weights_work_once=once)))).lower(params, batch, key).compile().as_text() for once in (True, False)}
-    (once_loop, once_all), (every_loop, _) = (_quantized_in(texts[once], trips=4) for once in (True, False))
+    # The layers' projections, as their scan slices them.
+    shapes = {w.shape[1:] for w in jax.tree.leaves(params["layers"]) if w.ndim > 2}
+    once = build_grad_fn(program)
+    every = build_grad_fn(program.replace(execution=dataclasses.replace(execution, weights_work_once=False)))
+    # Depth 2: inside the layers' scan inside the micro-batch loop; 1: in the layers' scan alone.
+    assert _depths(jax.make_jaxpr(every)(params, batch, key).jaxpr, shapes) == {2}
+    assert _depths(jax.make_jaxpr(once)(params, batch, key).jaxpr, shapes) == {1}
+    once, every = (jax.jit(fn).lower(params, batch, key).compile() for fn in (once, every))
+    weights = {"f8e4m3fn[" + ",".join(map(str, (1, *shape))) + "]" for shape in shapes}
+    (once_loop, once_all), (every_loop, _) = (_quantized_in(fn.as_text(), trips=4) for fn in (once, every))
     assert weights <= set(every_loop) and weights <= set(once_all)
     assert not weights & set(once_loop) and once_loop  # the activations still are, at every micro-batch
+    loss, _, grads = once(params, batch, key)
+    ref_loss, _, ref_grads = every(params, batch, key)
+    assert loss == ref_loss
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_split_holds_the_fp8_weights_and_their_scales_and_makes_the_rest_again():
