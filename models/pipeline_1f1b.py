@@ -253,7 +253,7 @@ def _accumulators(chunks):
     scatter-add and all-reduced the gradients over `tensor` at every tick (calibration row N03:
     3.9x the tensor bytes). XLA keeps the product (x * 0 is not 0 for an infinite or NaN x); it
     costs one pass over the weights a step."""
-    return jax.tree.map(lambda w: (w * jnp.zeros((), w.dtype)).astype(accumulated_dtype(w)), chunks)
+    return _as_accumulated(jax.tree.map(lambda w: w * jnp.zeros((), w.dtype), chunks))
 
 
 def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable):

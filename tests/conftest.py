@@ -118,12 +118,15 @@ def reference_grads(program):
     return _REFERENCE_GRADS[single]
 
 
+def loop_line(text: str, trips: int) -> str:
+    """The instruction of the one loop of `trips` iterations in a compiled module (XLA's known trip count)."""
+    (line,) = [line for line in text.splitlines() if " while(" in line and f'"known_trip_count":{{"n":"{trips}"}}' in line]
+    return line
+
+
 def loop_state(text: str, trips: int) -> collections.Counter:
-    """(dtype, dims) of each array the one loop of `trips` iterations in a compiled module carries
-    (XLA's known trip count), with multiplicity."""
-    (state,) = [line.split(" while(")[0] for line in text.splitlines()
-                if " while(" in line and f'"known_trip_count":{{"n":"{trips}"}}' in line]
-    return collections.Counter(re.findall(r"(\w+)\[([\d,]*)\]", state))
+    """(dtype, dims) of each array the one loop of `trips` iterations carries, with multiplicity."""
+    return collections.Counter(re.findall(r"(\w+)\[([\d,]*)\]", loop_line(text, trips).split(" while(")[0]))
 
 
 def check_pass(program, topology=None, options=None, *, reference: bool = True, dtype: str = "float32"):

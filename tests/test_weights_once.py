@@ -18,7 +18,7 @@ from xlaopt.program import TrainProgram, TrainSettings
 from xlaopt.step import build_grad_fn, build_init
 from xlaopt.transforms import weights_once
 
-from conftest import SMALL
+from conftest import SMALL, loop_line
 
 FP8 = ExecutionConfig(compute_dtype="bfloat16", matmuls="fp8", micro_batches=2)
 
@@ -55,8 +55,7 @@ def _quantized_in(text: str, trips: int) -> tuple[collections.Counter, collectio
     """The shapes quantized to E4M3 (a clamp converted, fp8's `quantize`; XLA:CPU's own f8 <-> f16
     round trips are not clamped) inside the loop of `trips` iterations, and in the whole module."""
     comps = _computations(text)
-    (loop,) = [line for line in text.splitlines() if " while(" in line and f'"known_trip_count":{{"n":"{trips}"}}' in line]
-    inside, todo = set(), [re.search(r"body=%([\w.\-]+)", loop).group(1)]
+    inside, todo = set(), [re.search(r"body=%([\w.\-]+)", loop_line(text, trips)).group(1)]
     while todo:  # every computation the loop's body calls, fuses, loops over or branches to
         name = todo.pop()
         if name not in inside and name in comps:
