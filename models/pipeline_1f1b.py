@@ -15,7 +15,9 @@ way a tick; M + 2P - 2 ticks. A forward keeps its `jax.vjp` residuals in a ring 
 min(M, 2P - 1) slots that its backward reads back (stage 0 holds a micro-batch longest, 2P - 2
 ticks); residuals that depend on the weights alone (their casts, their transposes) are computed
 once a step, not kept per slot, and so is what a forward reads of the weights (their casts to the
-compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again.
+compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again,
+and a tick's layer scan reads each layer of its chunk out of the stage's stack where it lies
+(`transforms.stacked_reads`), and its backward reads its residuals out of the ring.
 Each stage's forward, tail and backward sit under `lax.cond` (the sends outside it), so a stage
 that has nothing to run in a tick runs nothing: a tick costs the busiest stage's work, and the
 step (M + P - 1) (F + B), GPipe's.
@@ -54,6 +56,7 @@ from xlaopt.mesh import STAGE
 from xlaopt.models.layers import accumulated_dtype, manual_axes, manual_over, rows_split_over, summed_gradients
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 from xlaopt.transforms import cast_once
+from xlaopt.transforms.stacked_reads import evaluate_reading_stacks
 
 # (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss, and of each
 # metric ({name: scalar}, reported, not differentiated)
@@ -132,16 +135,18 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
 def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     """`fwd(params_k, x, a_float, a_rest)` and its vjp (differentiated in the first three) split
     by JAX's partial evaluation into what depends on the weights alone and what on the
-    micro-batch: (once_of, forward_of, rebuild, kept_avals).
+    micro-batch: (once_of, forward_of, backward_of, kept_avals).
 
     `once_of(params_k) -> (once, held)` is the weights' part, run once a step: `once` the vjp
     residuals made of the weights alone (their casts, their transposes), `held` what the forward
     reads of them (the weights cast to the compute dtype, or quantized to fp8 with their scales).
-    `forward_of(held, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch: the
-    output and the residuals that depend on the micro-batch, shaped `kept_avals`.
-    `rebuild(once, kept)` is the vjp. Each tick's forward sliced its chunk of the fp32 weights
-    and cast them again before the split (with `_stacked_once`, 1.4 s of calibration row R13's
-    22.5 s step)."""
+    `forward_of(held_V, v, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch:
+    the output and the residuals that depend on the micro-batch, shaped `kept_avals`.
+    `backward_of(once_V, v, kept, dy)` is the vjp. Both take the V chunks' stacks (`held` and
+    `once` of each chunk, stacked) and read chunk v's layers where they lie
+    (`stacked_reads.evaluate_reading_stacks`). Each tick's forward sliced its chunk of the fp32
+    weights and cast them again before the split (with `_stacked_once`, 1.4 s of calibration row
+    R13's 22.5 s step)."""
     def run(p, x, af, ar):
         return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)
 
@@ -153,22 +158,31 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     y_unknown, per_microbatch = out_unknown[:n_y], out_unknown[n_y:]
     assert all(y_unknown), "the layers' output does not depend on their input"
     n_once = sum(not u for u in per_microbatch)
-    known_fn, unknown_fn = jaxpr_as_fun(known), jaxpr_as_fun(unknown)
+    known_fn = jaxpr_as_fun(known)
 
     def once_of(params):
         outs = known_fn(*jax.tree.leaves(params))
         return list(outs[:n_once]), list(outs[n_once:])
 
-    def forward_of(held, x, af, ar):
-        outs = unknown_fn(*held, *jax.tree.leaves((x, af, ar)))
+    def forward_of(held_V, v, x, af, ar):
+        outs = evaluate_reading_stacks(unknown, held_V, v, *jax.tree.leaves((x, af, ar)))
         return jax.tree.unflatten(jax.tree.structure(y_shape), outs[:n_y]), list(outs[n_y:])
 
-    def rebuild(once, kept):
+    def rebuild(once, kept, dy):
         it_once, it_kept = iter(once), iter(kept)
-        return jax.tree.unflatten(treedef, [next(it_kept) if v else next(it_once) for v in per_microbatch])
+        vjp = jax.tree.unflatten(treedef, [next(it_kept) if v else next(it_once) for v in per_microbatch])
+        return vjp(dy)
 
+    like = lambda avals: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]  # noqa: E731
     kept_avals = [a for a, v in zip(closed.out_avals[n_y:], per_microbatch) if v]
-    return once_of, forward_of, rebuild, kept_avals
+    backward, d_shape = jax.make_jaxpr(rebuild, return_shape=True)(
+        like(known.out_avals[:n_once]), like(kept_avals), y_shape)
+
+    def backward_of(once_V, v, kept, dy):
+        outs = evaluate_reading_stacks(backward, once_V, v, *kept, *jax.tree.leaves(dy))
+        return jax.tree.unflatten(jax.tree.structure(d_shape), outs)
+
+    return once_of, forward_of, backward_of, kept_avals
 
 
 def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
@@ -321,12 +335,12 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
 
         x0 = take(carry_M, 0)
         narrowed = _narrowed(fwd, chunk(own, 0), x0, *parts(take(args_M, 0)))(own)
-        once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, chunk(narrowed, 0), x0,
+        once_of, forward_of, backward_of, kept_avals = _split_on_weights(fwd, chunk(narrowed, 0), x0,
                                                                      *parts(take(args_M, 0)))
         once, held = to_round(_stacked_once(once_of, narrowed, chunk, V))
 
         def forward(x, af, ar, v):
-            return forward_of(chunk(held, v), x, af, ar)
+            return forward_of(held, v, x, af, ar)
 
         def tail_grad(y, ta):
             (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(
@@ -334,8 +348,8 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             as_f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
             return (as_f32(loss), jax.tree.map(as_f32, metrics)), _as_accumulated(d_tail), dy
 
-        def backward(kept, dy, v):
-            return rebuild(chunk(once, v), kept)(dy)
+        def backward(ring, b_slot, dy, v):
+            return backward_of(once, v, [r[b_slot] for r in ring], dy)
 
         def tick(state, t):
             handed_y, handed_dy, ring, (d_chunks, d_tail, d_carry, d_args, reported) = state
@@ -354,7 +368,7 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
                 l, dt, dy_tail = jax.lax.cond(last & f_ok & (fv == V - 1), tail_grad, _zeros_of(tail_grad, y, ta),
                                               y, ta)
             dy = jax.tree.map(lambda own, h: jnp.where(last & (bv == V - 1), own, h), dy_tail, handed_dy)
-            operands = ([r[b_slot % slots] for r in ring], dy, bv)
+            operands = (ring, b_slot % slots, dy, bv)
             with jax.named_scope(BRANCH_SCOPE.format("backward")):
                 dp, dx, da = jax.lax.cond(b_ok, backward, _zeros_of(backward, *operands), *operands)
             dp = like_weights(dp) if like_weights is not None else dp
