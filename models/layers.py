@@ -82,42 +82,6 @@ def sequence_split_over(axis: str | None):
     return installed(_SEQUENCE_SPLIT, axis)
 
 
-# How a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) sums
-# them: `sum(g, axes)`, crossing the axes in the dtype the step reduces gradients in and returned in
-# it (`xlaopt.step.summed_in`); a plain psum unless a step installs one.
-_GRADIENTS_SUMMED: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_gradients_summed",
-                                                                                   default=None)
-
-
-def gradients_summed_by(sum_fn: Callable):
-    """Context manager installing how a loop sums the weights' gradients over data itself."""
-    return installed(_GRADIENTS_SUMMED, sum_fn)
-
-
-def summed_gradients(tree, axes: tuple[str, ...]):
-    """`tree`'s gradients summed over `axes` as the step sums them (`gradients_summed_by`)."""
-    sum_fn = _GRADIENTS_SUMMED.get() or jax.lax.psum
-    return jax.tree.map(lambda g: sum_fn(g, axes), tree)
-
-
-# The dtype a loop that sums the weights' gradients over micro-batches itself (a 1F1B pipeline's
-# ticks) keeps its accumulators in, installed by the step (`grad_accumulate_dtype`); None: the
-# gradients' own.
-_GRADIENTS_ACCUMULATED: contextvars.ContextVar[str | None] = contextvars.ContextVar("xlaopt_gradients_accumulated",
-                                                                                    default=None)
-
-
-def gradients_accumulated_in(dtype: str | None):
-    """Context manager installing the dtype a loop accumulates the weights' gradients in."""
-    return installed(_GRADIENTS_ACCUMULATED, dtype)
-
-
-def accumulated_dtype(like) -> jnp.dtype:
-    """The dtype an accumulator of `like`'s gradients holds (`gradients_accumulated_in`)."""
-    dtype = _GRADIENTS_ACCUMULATED.get()
-    return jnp.dtype(dtype) if dtype is not None and jnp.issubdtype(like.dtype, jnp.floating) else like.dtype
-
-
 def chunk_start(length: int):
     """Where this rank's `length` tokens start in their rows: 0 unless the sequences are split
     (`sequence_split_over`), then the rank's index along the axis times `length`."""

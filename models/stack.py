@@ -28,6 +28,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 
+from xlaopt.models.grad_sums import gradient_scatter
 from xlaopt.models.layers import constrain
 from xlaopt.models.pipeline import pipeline_layers
 from xlaopt.models.pipeline_1f1b import Tail, pipeline_loss_1f1b
@@ -140,10 +141,12 @@ class LayerStack(nn.Module):
             return tail(tail_params, self(carry, *args), tail_args, extra)
         layer = self._layer()
         layout = self._weights_layout(layer, carry, args, embed_whole=self.spec.weights_once)
-        return pipeline_loss_1f1b(self._layer_fn(layer), nn.meta.unbox(dict(self.variables["params"])), carry, args,
+        params_L = nn.meta.unbox(dict(self.variables["params"]))
+        return pipeline_loss_1f1b(self._layer_fn(layer), params_L, carry, args,
                                   tail, tail_params, tail_args, extra, self.spec.microbatches, inner=scan_layers,
                                   gather=layout if self.spec.weights_once else None, like_weights=layout,
-                                  virtual_stages=self.spec.virtual_stages)
+                                  virtual_stages=self.spec.virtual_stages,
+                                  scatter=gradient_scatter(tuple(self.scope.path), params_L))
 
     def _layer_fn(self, layer: nn.Module) -> LayerFn:
         """The pure `(params_i, carry, *args) -> carry` of one layer, hooked and rematerialized

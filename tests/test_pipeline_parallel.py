@@ -34,6 +34,8 @@ from xlaopt.runtime.verify import tolerance_key
 from conftest import COSMOS3_TINY, LLAMA_TINY, check_pass, command_env, loop_state, needs_devices
 
 PIPELINE = ExecutionConfig(compute_dtype="float32", layer_stack="pipeline")
+ZERO1_1F1B = dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2,
+                                 grad_reduce_dtype="bfloat16", grad_accumulate_dtype="bfloat16", sharded_optimizer=True)
 
 
 def test_the_analytic_price_follows_the_spmd_loop():
@@ -172,11 +174,10 @@ CASES = {  # name -> (model, mesh, batch, execution, pass options, passes that m
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2),
         None, set()),
     # The weights' gradients summed over the ticks in bf16 (`grad_accumulate_dtype`), then over
-    # data in bf16 (`grad_reduce_dtype`), then reordered: equal to one device within bf16's tolerance.
-    "llama-interleaved-1f1b-data-tensor-bf16-grads": (
-        get_config("llama-tiny"), "stage=2,data=2,tensor=2", BatchShape(8, 32, 0),
-        dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_virtual_stages=2,
-                            grad_reduce_dtype="bfloat16", grad_accumulate_dtype="bfloat16"), None, set()),
+    # data in bf16 (`grad_reduce_dtype`), each replica keeping its ZeRO-1 share, then reordered:
+    # equal to one device within bf16's tolerance.
+    "llama-interleaved-1f1b-data-tensor-bf16-grads-zero1": (
+        get_config("llama-tiny"), "stage=2,data=2,tensor=2", BatchShape(8, 32, 0), ZERO1_1F1B, None, set()),
     "llama-1f1b-fsdp-tensor-weights-once": (
         get_config("llama-tiny"), "stage=2,fsdp=2,tensor=2", BatchShape(8, 32, 0),
         dataclasses.replace(PIPELINE, pipeline_microbatches=4, pipeline_schedule="1f1b", pipeline_weights_once=True),
@@ -289,6 +290,29 @@ def test_the_gradients_cross_data_once_a_step_not_once_a_tick():
     over_data = [c for c in collectives(compile_program(laid).train_step.as_text(), laid.mesh.as_dict())
                  if "data" in c.mesh_axes]
     assert over_data and all(c.executions == 1 for c in over_data), [(c.name, c.executions) for c in over_data]
+
+
+@needs_devices(8)
+def test_under_zero1_the_1f1b_gradients_cross_the_stages_as_each_replicas_share():
+    """Interleaved 1F1B on stage=2,data=2,tensor=2 (the case above, equal to one device) under
+    ZeRO-1: each data replica keeps its share of every stacked weight's summed gradient, the one
+    its moments update, before the gradients are reordered across the stages. The reorder moves
+    half a stage's chunks (V = P = 2), so its sends, once a step, carry a quarter of a stage's
+    stacked gradients fewer bytes than with whole moments (XLA:CPU sends them in f32)."""
+    import math
+
+    def once_a_step(sharded_optimizer: bool):
+        program = TrainProgram(get_config("llama-tiny"), MeshSpec.parse("stage=2,data=2,tensor=2"),
+                               settings=TrainSettings(batch=BatchShape(8, 32, 0)),
+                               execution=dataclasses.replace(ZERO1_1F1B, sharded_optimizer=sharded_optimizer))
+        compiled = compile_program(run_pipeline(program, pipeline())[0])
+        found = collectives(compiled.train_step.as_text(), compiled.program.mesh.as_dict())
+        return sum(c.bytes for c in found if c.kind == "collective-permute" and c.executions == 1), compiled
+
+    (whole, _), (shares, compiled) = once_a_step(False), once_a_step(True)
+    stacked = jax.tree.leaves(compiled.abstract_state.params["layers"])
+    stage_bytes = sum(4 * math.prod(w.sharding.shard_shape(w.shape)) for w in stacked)
+    assert whole - shares == stage_bytes // 4, (whole, shares, stage_bytes)
 
 
 @pytest.mark.skipif(not gpu_aot.available(), reason="needs the gpu-aot extra (jax-cuda12-plugin)")

@@ -88,12 +88,13 @@ def test_hsdp_moves_the_embedding_gradient_to_the_tables_split_without_replicati
     assert not [n for n in compiled.compiler_notes if "replicating" in n], compiled.compiler_notes
 
 
-def test_over_data_splits_the_first_dimension_data_divides():
+def test_over_data_splits_a_dimension_of_its_own_first_then_the_first_data_divides():
     from xlaopt.sharding import over_data
 
     mesh = MeshSpec.parse("data=2,fsdp=2,tensor=2")
     assert over_data(P(None, "fsdp"), (3, 8), mesh) == P(None, ("fsdp", "data"))  # 3 rows do not split in two
-    assert over_data(P("tensor"), (8, 6), mesh) == P(("tensor", "data"))
+    assert over_data(P("tensor"), (8, 6), mesh) == P("tensor", "data")  # the second dimension is nobody's
+    assert over_data(P("tensor"), (8, 3), mesh) == P(("tensor", "data"))
     assert over_data(P(), (), mesh) == P()  # AdamW's count stays whole
     assert over_data(P("data"), (8,), mesh) == P("data")  # already split over data
     assert over_data(P(None), (8,), MeshSpec.parse("fsdp=8")) == P(None)  # no data replicas

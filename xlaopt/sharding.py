@@ -138,25 +138,49 @@ def entry_axes(entry) -> tuple[str, ...]:
 
 
 def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> PartitionSpec:
-    """`spec` with `data` added (innermost) to the first dimension its split and `data` together
-    divide: state every data replica would otherwise hold whole (the optimizer's, under
-    `sharded_optimizer`). Unchanged where no dimension divides (a scalar, AdamW's count).
-    Innermost, so that a replica's share lies inside the block of the weight its device holds and
-    is sliced out where it is: outermost, XLA collective-permuted the gradients across the stages
-    and replicas onto the split (calibration row R12: eight fp32 stacks, 0.44 s exposed)."""
+    """`spec` with `data` added (innermost) to a dimension it divides: state every data replica
+    would otherwise hold whole (the optimizer's, under `sharded_optimizer`). The first dimension
+    nothing else splits, else the first whose split and `data` together divide it; unchanged where
+    none does (a scalar, AdamW's count). Either way a replica's share lies inside the block of the
+    weight its device holds and is sliced out where it is: with `data` outermost, XLA
+    collective-permuted the gradients across the stages and replicas onto the split (calibration
+    row R12: eight fp32 stacks, 0.44 s exposed). A dimension of its own first, so that a loop
+    manual over data can hand each replica its share of the gradients itself (`data_scatter_dims`)."""
     ways = mesh.size("data")
     taken = {a for entry in spec for a in entry_axes(entry)}
     if ways <= 1 or "data" in taken:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    for dim, (entry, size) in enumerate(zip(entries, shape)):
-        axes = entry_axes(entry)
-        if size % (ways * math.prod(mesh.size(a) for a in axes)) == 0:
-            entries[dim] = (*axes, "data") if axes else "data"
-            while entries[-1] is None:
-                entries.pop()
-            return PartitionSpec(*entries)
+    divides = [size % (ways * math.prod(mesh.size(a) for a in entry_axes(entry))) == 0
+               for entry, size in zip(entries, shape)]
+    alone = [d for d, ok in enumerate(divides) if ok and not entry_axes(entries[d])]
+    for dim in alone[:1] or [d for d, ok in enumerate(divides) if ok][:1]:
+        axes = entry_axes(entries[dim])
+        entries[dim] = (*axes, "data") if axes else "data"
+        while entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
     return spec
+
+
+def data_scatter_dims(specs, params, mesh: MeshSpec, manual: tuple[str, ...]):
+    """For each of `params` (split as `specs`), the dimension along which a loop manual over `data`
+    and `manual` hands each data replica its share of the gradient, so that it lands where
+    `over_data` puts ZeRO-1's moments: the dimension `data` is added to, where only `manual` axes
+    come before it there. None where the gradient is left whole instead (no dimension divides, or
+    an axis the loop leaves to the partitioner, such as `tensor`, splits that dimension too: the
+    loop's split would put data outside it)."""
+    import jax
+
+    def dim(spec, param):
+        target = over_data(spec, param.shape, mesh)
+        for d, entry in enumerate(target):
+            axes = entry_axes(entry)
+            if "data" in axes:
+                return d if axes[-1] == "data" and set(axes[:-1]) <= set(manual) else None
+        return None
+
+    return jax.tree.map(dim, specs, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec, what: str) -> tuple[str, ...]:

@@ -24,11 +24,12 @@ from xlaopt.errors import UserError
 from xlaopt.families import family_of
 from xlaopt.mesh import DATA, MESH_AXES, STAGE
 from xlaopt.models.fp8 import matmuls_in
-from xlaopt.models.layers import activation_constraint, gradients_accumulated_in, gradients_summed_by, manual_axes
+from xlaopt.models.grad_sums import gradients_accumulated_in, gradients_scattered_by, gradients_summed_by
+from xlaopt.models.layers import activation_constraint, manual_axes
 from xlaopt.program import TrainProgram, TrainSettings, TrainState
 from xlaopt.transforms import cast_once, weights_once
 from xlaopt.transforms.hierarchical_grads import path_name
-from xlaopt.transforms.micro_batches import accumulate, accumulate_manual
+from xlaopt.transforms.micro_batches import accumulate, accumulate_manual, reduced_in, summed_in
 
 
 def trained_part(program: TrainProgram, tree, is_leaf=None):
@@ -76,16 +77,29 @@ def make_init_model(program: TrainProgram):
 def model_loss(program: TrainProgram):
     """(model, loss(model, params, batch, key)): the family's loss, traced with the execution's
     matmul format (`xlaopt.models.fp8`) installed, and how a loop that sums the weights' gradients
-    over data itself sums them (`summed_in`; a 1F1B pipeline's ticks)."""
+    over data itself sums them (`summed_in`; a 1F1B pipeline's ticks) and, under ZeRO-1, leaves them."""
     loss, matmuls = family_of(program.model).loss, program.execution.matmuls
     summed = summed_in(program.execution.grad_reduce_dtype, program.target)
-    accumulated = _accumulated_dtype(program)
+    accumulated, scattered = _accumulated_dtype(program), _scattered_over_data(program)
 
     def traced(*args):
-        with matmuls_in(matmuls), gradients_summed_by(summed), gradients_accumulated_in(accumulated):
+        with (matmuls_in(matmuls), gradients_summed_by(summed), gradients_accumulated_in(accumulated),
+              gradients_scattered_by(scattered)):
             return loss(*args)
 
     return make_model(program), traced
+
+
+def _scattered_over_data(program: TrainProgram):
+    """Under ZeRO-1, where a 1F1B pipeline's loop (manual over `stage` and `data`) leaves each stacked
+    weight's gradient over data: reduce-scattered onto the moments' split (`sharding.data_scatter_dims`)."""
+    if not program.execution.sharded_optimizer or program.shardings is None or program.mesh.size(DATA) == 1:
+        return None
+    from xlaopt.sharding import data_scatter_dims
+
+    specs = program.shardings.state.params
+    return lambda path, params: data_scatter_dims(functools.reduce(lambda t, k: t[k], path, specs), params,
+                                                  program.mesh, manual=(STAGE,))
 
 
 def batch_spec(program: TrainProgram) -> dict:
@@ -117,26 +131,6 @@ def base_grad_fn(program: TrainProgram, scale=None):
         return loss, metrics, (grads if scale is None else jax.tree.map(lambda g: g / scale, grads))
 
     return grad_fn
-
-
-def summed_in(dtype: str, target: str):
-    """`sum(g, axes)`: each gradient summed over `axes`, crossing them in `dtype`, and returned in
-    `dtype` (a 1F1B pipeline reorders the sum before widening it). XLA:CPU widens a bf16 all-reduce
-    to f32 anyway (its AllReducePromotion), and on jax 0.10.2 aborts the process doing so inside a
-    shard_map manual over some of the mesh's axes ("Invalid binary instruction opcode copy"): on
-    the CPU the rounded gradients are summed in f32, as that promotion would sum them, and the sum
-    rounded."""
-    if dtype == "float32":
-        return jax.lax.psum
-    if target == "cpu":
-        return lambda g, axes: jax.lax.psum(g.astype(dtype).astype(jnp.float32), axes).astype(dtype)
-    return lambda g, axes: jax.lax.psum(g.astype(dtype), axes)
-
-
-def reduced_in(dtype: str, target: str):
-    """`reduce(g, axes)` for `accumulate_manual`: `summed_in`'s sum returned in the gradient's own dtype."""
-    summed = summed_in(dtype, target)
-    return lambda g, axes: summed(g, axes).astype(g.dtype)
 
 
 def why_rows_not_manual_over_data(program: TrainProgram) -> str | None:

@@ -13,8 +13,30 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from xlaopt.models.grad_sums import reduced_over
 from xlaopt.models.layers import manual_over, rows_split_over, sequence_split_over
 from xlaopt.transforms import weights_once
+
+
+def summed_in(dtype: str, target: str):
+    """`sum(g, axes, scatter_dim=None)`: each gradient summed over `axes` (`grad_sums.reduced_over`:
+    reduce-scattered over data onto `scatter_dim` where given), crossing them in `dtype`, and
+    returned in `dtype` (a 1F1B pipeline reorders the sum before widening it). XLA:CPU widens a bf16
+    all-reduce to f32 anyway (its AllReducePromotion), and on jax 0.10.2 aborts the process doing so
+    inside a shard_map manual over some of the mesh's axes ("Invalid binary instruction opcode
+    copy"): on the CPU the rounded gradients are summed in f32, as that promotion would sum them,
+    and the sum rounded."""
+    if dtype == "float32":
+        return reduced_over
+    if target == "cpu":
+        return lambda g, axes, dim=None: reduced_over(g.astype(dtype).astype(jnp.float32), axes, dim).astype(dtype)
+    return lambda g, axes, dim=None: reduced_over(g.astype(dtype), axes, dim)
+
+
+def reduced_in(dtype: str, target: str):
+    """`reduce(g, axes)` for `accumulate_manual`: `summed_in`'s sum returned in the gradient's own dtype."""
+    summed = summed_in(dtype, target)
+    return lambda g, axes: summed(g, axes).astype(g.dtype)
 
 
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None, grad_dtype=None):
@@ -40,7 +62,7 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
                       reduce, hold=None, sequence: tuple[str, dict[str, int]] | None = None, grad_dtype=None):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
-    once, after the last (by `reduce(g, axes)`: `step.reduced_in`'s psum). Left to the
+    once, after the last (by `reduce(g, axes)`: `reduced_in`'s psum). Left to the
     partitioner, every micro-batch's gradients were all-reduced over it inside that micro-batch's
     backward, `micro_batches` times a step. The draws are made before, on the whole batch, as one
     device makes them; `rows`: each batch array's and draw's row dimension. `sequence`, where
