@@ -5,8 +5,8 @@ step installs while the model is traced, read where the loop is written.
 - `gradients_summed_by`: the sum over the manual axes, crossing them in the dtype the step reduces
   gradients in (`micro_batches.summed_in`);
 - `gradients_accumulated_in`: the dtype the loop's accumulators hold (`grad_accumulate_dtype`);
-- `gradients_scattered_by`: under ZeRO-1, the dimension along which each data replica keeps its
-  share of a stacked weight's gradient (`sharding.data_scatter_dims`).
+- `gradients_scattered_by`: under ZeRO-1, the split each data replica keeps its share of a
+  stacked weight's gradient by (`sharding.data_scatter_specs`).
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import DATA
 from xlaopt.models.tracing import installed
+from xlaopt.sharding import entry_axes
 
 # How a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) sums
 # them: `sum(g, axes, scatter_dim=None)`, crossing the axes in the dtype the step reduces gradients in
@@ -32,32 +34,46 @@ def gradients_summed_by(sum_fn: Callable):
 
 
 def reduced_over(g, axes: tuple[str, ...], scatter_dim: int | None = None):
-    """`g` summed over the manual `axes`; with `scatter_dim`, each `data` replica's share of the sum
-    along that dimension, the one its moments update (ZeRO-1, `gradients_scattered_by`). Summed
-    whole and then sliced, not `psum_scatter`ed: in a shard_map that leaves `tensor` to the
-    partitioner, XLA gathered each gradient over tensor before reduce-scattering it over data
-    (calibration row R13: 4x the bytes of the all-reduce). Megatron's distributed optimizer
-    reduce-scatters, half the all-reduce's bytes."""
-    summed = jax.lax.psum(g, axes)
+    """`g` summed over the manual `axes`; with `scatter_dim`, reduce-scattered over `data` (one of
+    `axes`) onto that dimension, each replica keeping its share of the sum (ZeRO-1,
+    `gradients_scattered_by`): half the all-reduce's bytes, as Megatron's distributed optimizer
+    reduces. Where `g` is split over axes the partitioner places, call it manual over those too
+    (`scattered_share`): XLA gathered such a gradient over them before the reduce-scatter
+    (calibration row R13: tensor's 4x the bytes)."""
     if scatter_dim is None:
-        return summed
-    share = g.shape[scatter_dim] // jax.lax.axis_size(DATA)
-    return jax.lax.dynamic_slice_in_dim(summed, jax.lax.axis_index(DATA) * share, share, scatter_dim)
+        return jax.lax.psum(g, axes)
+    rest = tuple(a for a in axes if a != DATA)
+    return jax.lax.psum_scatter(jax.lax.psum(g, rest) if rest else g, DATA, scatter_dimension=scatter_dim, tiled=True)
 
 
-def summed_gradients(tree, axes: tuple[str, ...], scatter=None):
-    """`tree`'s gradients summed over `axes` as the step sums them (`gradients_summed_by`); `scatter`,
-    where given, a tree of the dimension each is reduce-scattered onto over data (None: summed)."""
+def summed_gradients(tree, axes: tuple[str, ...], scatter_dim: int | None = None):
+    """`tree`'s gradients summed over `axes` as the step sums them (`gradients_summed_by`), each
+    reduce-scattered over data onto `scatter_dim` where given."""
     sum_fn = _GRADIENTS_SUMMED.get() or reduced_over
-    if scatter is None:
-        return jax.tree.map(lambda g: sum_fn(g, axes), tree)
-    return jax.tree.map(lambda dim, g: sum_fn(g, axes, dim), scatter, tree, is_leaf=lambda x: x is None)
+    return jax.tree.map(lambda g: sum_fn(g, axes) if scatter_dim is None else sum_fn(g, axes, scatter_dim), tree)
+
+
+def scattered_share(g, spec: PartitionSpec, lead: int, axes: tuple[str, ...], manual: tuple[str, ...]):
+    """A stacked weight's gradient `g` summed over `axes` (`summed_gradients`), each data replica
+    keeping the share of it `spec` gives it: the weight's ZeRO-1 split ([layers, ...], data alone
+    on a dimension within a layer; `sharding.data_scatter_specs`), `g` in a loop manual over
+    `manual` and `data`, with `lead` dimensions standing for the weight's layers. Reduce-scattered
+    in a shard_map manual over the axes besides that split `g`."""
+    entries = list(spec) + [None] * (g.ndim - lead + 1 - len(spec))
+    dim = next(d for d, e in enumerate(entries) if entry_axes(e) == (DATA,))
+    auto = [tuple(a for a in entry_axes(e) if a not in (*manual, DATA)) for e in entries[1:]]
+    where, names = lead - 1 + dim, {a for axes_ in auto for a in axes_}
+    if not names:
+        return summed_gradients(g, axes, where)
+    inner = PartitionSpec(*[None] * lead, *[a or None for a in auto])
+    return jax.shard_map(lambda x: summed_gradients(x, axes, where), in_specs=inner, out_specs=inner,
+                         axis_names=names, check_vma=False)(g)
 
 
 # Where a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) leaves
 # each over data, installed by a step whose optimizer state is split over data (ZeRO-1):
-# `scatter(path, params) -> tree` of the dimension each of a stack's `params` (at module `path`) is
-# reduce-scattered onto, or None where it is summed whole.
+# `scatter(path, params) -> tree` of each of a stack's `params` (at module `path`): its ZeRO-1 split
+# where the loop hands each replica its share of the gradient, None where it is summed whole.
 _GRADIENTS_SCATTERED: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("xlaopt_gradients_scattered",
                                                                                      default=None)
 
@@ -68,7 +84,7 @@ def gradients_scattered_by(scatter: Callable | None):
 
 
 def gradient_scatter(path: tuple[str, ...], params):
-    """The tree of scatter dimensions of the stack `params` at module `path` (`gradients_scattered_by`), or None."""
+    """The tree of ZeRO-1 splits of the stack `params` at module `path` (`gradients_scattered_by`), or None."""
     scatter = _GRADIENTS_SCATTERED.get()
     return None if scatter is None else scatter(path, params)
 

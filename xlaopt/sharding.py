@@ -145,7 +145,7 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> Part
     weight its device holds and is sliced out where it is: with `data` outermost, XLA
     collective-permuted the gradients across the stages and replicas onto the split (calibration
     row R12: eight fp32 stacks, 0.44 s exposed). A dimension of its own first, so that a loop
-    manual over data can hand each replica its share of the gradients itself (`data_scatter_dims`)."""
+    manual over data can hand each replica its share of the gradients itself (`data_scatter_specs`)."""
     ways = mesh.size("data")
     taken = {a for entry in spec for a in entry_axes(entry)}
     if ways <= 1 or "data" in taken:
@@ -163,24 +163,18 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> Part
     return spec
 
 
-def data_scatter_dims(specs, params, mesh: MeshSpec, manual: tuple[str, ...]):
-    """For each of `params` (split as `specs`), the dimension along which a loop manual over `data`
-    and `manual` hands each data replica its share of the gradient, so that it lands where
-    `over_data` puts ZeRO-1's moments: the dimension `data` is added to, where only `manual` axes
-    come before it there. None where the gradient is left whole instead (no dimension divides, or
-    an axis the loop leaves to the partitioner, such as `tensor`, splits that dimension too: the
-    loop's split would put data outside it)."""
+def data_scatter_specs(specs, params, mesh: MeshSpec):
+    """For each of `params` (split as `specs`), its ZeRO-1 split (`over_data`) where a loop manual
+    over `data` can hand each data replica its share of the gradient itself: `data` alone on a
+    dimension. None where the gradient is left whole instead (no dimension divides, or another
+    axis splits that dimension too: a loop's out spec would put data outside it)."""
     import jax
 
-    def dim(spec, param):
+    def share(spec, param):
         target = over_data(spec, param.shape, mesh)
-        for d, entry in enumerate(target):
-            axes = entry_axes(entry)
-            if "data" in axes:
-                return d if axes[-1] == "data" and set(axes[:-1]) <= set(manual) else None
-        return None
+        return target if any(entry_axes(entry) == ("data",) for entry in target) else None
 
-    return jax.tree.map(dim, specs, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(share, specs, params, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def mesh_axes_of(logical: str, size: int, rules: Sequence[Rule], mesh: MeshSpec, what: str) -> tuple[str, ...]:

@@ -92,14 +92,14 @@ def model_loss(program: TrainProgram):
 
 def _scattered_over_data(program: TrainProgram):
     """Under ZeRO-1, where a 1F1B pipeline's loop (manual over `stage` and `data`) leaves each stacked
-    weight's gradient over data: reduce-scattered onto the moments' split (`sharding.data_scatter_dims`)."""
+    weight's gradient over data: reduce-scattered onto the moments' split (`sharding.data_scatter_specs`)."""
     if not program.execution.sharded_optimizer or program.shardings is None or program.mesh.size(DATA) == 1:
         return None
-    from xlaopt.sharding import data_scatter_dims
+    from xlaopt.sharding import data_scatter_specs
 
     specs = program.shardings.state.params
-    return lambda path, params: data_scatter_dims(functools.reduce(lambda t, k: t[k], path, specs), params,
-                                                  program.mesh, manual=(STAGE,))
+    return lambda path, params: data_scatter_specs(functools.reduce(lambda t, k: t[k], path, specs), params,
+                                                   program.mesh)
 
 
 def batch_spec(program: TrainProgram) -> dict:
