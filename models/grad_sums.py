@@ -53,21 +53,32 @@ def summed_gradients(tree, axes: tuple[str, ...], scatter_dim: int | None = None
     return jax.tree.map(lambda g: sum_fn(g, axes) if scatter_dim is None else sum_fn(g, axes, scatter_dim), tree)
 
 
-def scattered_share(g, spec: PartitionSpec, lead: int, axes: tuple[str, ...], manual: tuple[str, ...]):
-    """A stacked weight's gradient `g` summed over `axes` (`summed_gradients`), each data replica
-    keeping the share of it `spec` gives it: the weight's ZeRO-1 split ([layers, ...], data alone
-    on a dimension within a layer; `sharding.data_scatter_specs`), `g` in a loop manual over
-    `manual` and `data`, with `lead` dimensions standing for the weight's layers. Reduce-scattered
-    in a shard_map manual over the axes besides that split `g`."""
-    entries = list(spec) + [None] * (g.ndim - lead + 1 - len(spec))
-    dim = next(d for d, e in enumerate(entries) if entry_axes(e) == (DATA,))
-    auto = [tuple(a for a in entry_axes(e) if a not in (*manual, DATA)) for e in entries[1:]]
-    where, names = lead - 1 + dim, {a for axes_ in auto for a in axes_}
+def scattered_share(g, spec: PartitionSpec, lead: int, axes: tuple[str, ...], manual: tuple[str, ...],
+                    sum_fn: Callable | None = None):
+    """A weight's gradient `g` summed over `axes` (by `sum_fn(g, axes, dim)`, else as
+    `summed_gradients` sums), each data replica keeping the share of it `spec` gives it: the
+    weight's ZeRO-1 split, data alone on one dimension (`sharding.data_scatter_specs`). `g` is in
+    a loop manual over `manual` and `data`, with `lead` dimensions more than the weight before its
+    own (a 1F1B stage's chunks, [V, k, ...] for the weight's [L, ...]: one). Reduce-scattered in a
+    shard_map manual over the axes besides that split `g`."""
+    sum_fn = sum_fn or _GRADIENTS_SUMMED.get() or reduced_over
+    entries = list(spec) + [None] * (g.ndim - lead - len(spec))
+    dim = lead + next(d for d, e in enumerate(entries) if entry_axes(e) == (DATA,))
+    auto = [tuple(a for a in entry_axes(e) if a not in (*manual, DATA)) for e in entries]
+    names = {a for axes_ in auto for a in axes_}
     if not names:
-        return summed_gradients(g, axes, where)
+        return sum_fn(g, axes, dim)
     inner = PartitionSpec(*[None] * lead, *[a or None for a in auto])
-    return jax.shard_map(lambda x: summed_gradients(x, axes, where), in_specs=inner, out_specs=inner,
-                         axis_names=names, check_vma=False)(g)
+    return jax.shard_map(lambda x: sum_fn(x, axes, dim), in_specs=inner, out_specs=inner, axis_names=names,
+                         check_vma=False)(g)
+
+
+def share_spec(spec: PartitionSpec, manual_first: str | None = None) -> PartitionSpec:
+    """The out spec, in a shard_map manual over data, of a gradient `scattered_share` left as the
+    ZeRO-1 split `spec` gives it (data where `spec` puts it alone; `manual_first`, where given,
+    on the first dimension: a pipeline's stage)."""
+    entries = [DATA if entry_axes(e) == (DATA,) else None for e in spec]
+    return PartitionSpec(manual_first, *entries[1:]) if manual_first else PartitionSpec(*entries)
 
 
 # Where a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) leaves

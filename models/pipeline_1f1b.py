@@ -53,10 +53,9 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import DATA, STAGE
-from xlaopt.models.grad_sums import accumulated_dtype, scattered_share, summed_gradients
+from xlaopt.models.grad_sums import accumulated_dtype, scattered_share, share_spec, summed_gradients
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
-from xlaopt.sharding import entry_axes
 from xlaopt.transforms import cast_once
 from xlaopt.transforms.stacked_reads import evaluate_reading_stacks
 
@@ -104,7 +103,8 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
     scatter = scatter if data == DATA else None  # scattered over data where the loop runs manual over it
     run = _loop(layer_fn, tail, inner, gather, like_weights, schedule, split, data, seq, scatter)
     d_params_spec = PartitionSpec(STAGE) if scatter is None else jax.tree.map(
-        _scattered_spec, scatter, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+        lambda spec: PartitionSpec(STAGE) if spec is None else share_spec(spec, STAGE), scatter,
+        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
 
     def step(params_L, tail_params, carry, args, tail_args, extra):
         inputs = PartitionSpec(data, seq)
@@ -277,14 +277,6 @@ def _accumulators(chunks):
     return _as_accumulated(jax.tree.map(lambda w: w * jnp.zeros((), w.dtype), chunks))
 
 
-def _scattered_spec(spec: PartitionSpec | None) -> PartitionSpec:
-    """The shard_map's out spec of a stacked weight's gradient whose ZeRO-1 split is `spec` (None:
-    summed whole): its layers over `stage`, each data replica's share where `spec` puts it."""
-    if spec is None:
-        return PartitionSpec(STAGE)
-    return PartitionSpec(STAGE, *[DATA if entry_axes(e) == (DATA,) else None for e in spec[1:]])
-
-
 def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable, scatter):
     """The weights' gradients of the ticks (round order, as accumulated) summed over the manual axes that
     split the rows as the step sums gradients (`grad_sums.summed_gradients`: crossing them in bf16
@@ -300,8 +292,8 @@ def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable, 
     if scatter is None:
         return _in_dtypes_of(to_contiguous(summed_gradients(d_chunks, summed)), d_chunks)
 
-    def share(spec, d):  # in the chunk layout [V, k, ...] two dimensions stand for the weight's layers
-        return summed_gradients(d, summed) if spec is None else scattered_share(d, spec, 2, summed, (STAGE,))
+    def share(spec, d):  # the chunk layout [V, k, ...] has one dimension more than the weight's [L, ...]
+        return summed_gradients(d, summed) if spec is None else scattered_share(d, spec, 1, summed, (STAGE,))
 
     tree = jax.tree.map(share, scatter, d_chunks, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
     return _in_dtypes_of(to_contiguous(tree), d_chunks)

@@ -102,6 +102,16 @@ def _scattered_over_data(program: TrainProgram):
                                                    program.mesh)
 
 
+def _shares_over_data(program: TrainProgram):
+    """The same for the micro-batch loop manual over data: `params ->` each trained weight's split."""
+    if _scattered_over_data(program) is None:
+        return None
+    from xlaopt.sharding import data_scatter_specs
+
+    specs = trained_part(program, program.shardings.state.params, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return lambda params: data_scatter_specs(specs, trained_part(program, params), program.mesh)
+
+
 def batch_spec(program: TrainProgram) -> dict:
     return family_of(program.model).batch_spec(program.model, program.settings.batch)
 
@@ -272,7 +282,7 @@ def _accumulated_grad_fn(program: TrainProgram, scale=None):
         return accumulate_manual(fn, family.with_draws, program.execution.micro_batches, rows, DATA,
                                  tuple(a for a in batch_axes(program) if a not in (DATA, seq)),
                                  reduced_in(reduce_dtype, program.target), _holding(program), sequence,
-                                 _accumulated_dtype(program))
+                                 _accumulated_dtype(program), _shares_over_data(program))
     return accumulate(with_draws, program.execution.micro_batches, axes, _holding(program), _accumulated_dtype(program))
 
 

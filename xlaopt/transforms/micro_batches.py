@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from xlaopt.models.grad_sums import reduced_over
+from xlaopt.models.grad_sums import reduced_over, scattered_share, share_spec
 from xlaopt.models.layers import manual_over, rows_split_over, sequence_split_over
 from xlaopt.transforms import weights_once
 
@@ -36,7 +36,7 @@ def summed_in(dtype: str, target: str):
 def reduced_in(dtype: str, target: str):
     """`reduce(g, axes)` for `accumulate_manual`: `summed_in`'s sum returned in the gradient's own dtype."""
     summed = summed_in(dtype, target)
-    return lambda g, axes: summed(g, axes).astype(g.dtype)
+    return lambda g, axes, dim=None: summed(g, axes, dim).astype(g.dtype)
 
 
 def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None, grad_dtype=None):
@@ -59,7 +59,8 @@ def accumulate(grad_fn, micro_batches: int, axes: dict[str, tuple], hold=None, g
 
 
 def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], axis: str, other_row_axes: tuple,
-                      reduce, hold=None, sequence: tuple[str, dict[str, int]] | None = None, grad_dtype=None):
+                      reduce, hold=None, sequence: tuple[str, dict[str, int]] | None = None, grad_dtype=None,
+                      scatter=None):
     """`accumulate` in a shard_map manual over `axis` (one that splits the rows and no parameter):
     each rank sums its own rows' gradients over the micro-batches and they are reduced over `axis`
     once, after the last (by `reduce(g, axes)`: `reduced_in`'s psum). Left to the
@@ -67,7 +68,10 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
     backward, `micro_batches` times a step. The draws are made before, on the whole batch, as one
     device makes them; `rows`: each batch array's and draw's row dimension. `sequence`, where
     given, is (the axis that splits the sequences, each array's sequence dimension): manual over
-    it too, each rank runs its chunk of every row (`layers.sequence_split_over`)."""
+    it too, each rank runs its chunk of every row (`layers.sequence_split_over`). `scatter(params)`,
+    where given (ZeRO-1), is a tree shaped like the gradients of each one's split over data
+    (`sharding.data_scatter_specs`): reduce-scattered onto it (`grad_sums.scattered_share`), each
+    replica keeping the share its moments update, where None leaves it whole."""
     seq_axis, seq_dims = sequence if sequence else (None, {})
     manual = (axis, seq_axis) if seq_axis else (axis,)
 
@@ -88,12 +92,28 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
                 inputs = lambda i: ({n: x[i] for n, x in drawn.items()}, jax.random.fold_in(key, i))  # noqa: E731
                 loss, metrics, grads = _summed(_each_micro_batch(grad_fn, params, inputs, hold),
                                                micro_batches, grad_dtype)
-            return (*jax.lax.psum((loss, metrics), manual), jax.tree.map(lambda g: reduce(g, manual), grads))
+            return (*jax.lax.psum((loss, metrics), manual), _reduced(grads, shares, reduce, manual))
 
+        shares = scatter(params) if scatter is not None else None
+        out_specs = PartitionSpec() if shares is None else (PartitionSpec(), PartitionSpec(), jax.tree.map(
+            lambda s: PartitionSpec() if s is None else share_spec(s), shares, is_leaf=_spec_or_none))
         return jax.shard_map(local, in_specs=(PartitionSpec(), {n: spec(n) for n in drawn}, PartitionSpec()),
-                             out_specs=PartitionSpec(), axis_names=set(manual), check_vma=False)(params, drawn, key)
+                             out_specs=out_specs, axis_names=set(manual), check_vma=False)(params, drawn, key)
 
     return accumulated
+
+
+def _spec_or_none(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _reduced(grads, shares, reduce, manual: tuple[str, ...]):
+    """`grads` reduced over the manual axes by `reduce`, each reduce-scattered onto its ZeRO-1 split
+    where `shares` gives one."""
+    if shares is None:
+        return jax.tree.map(lambda g: reduce(g, manual), grads)
+    return jax.tree.map(lambda g, s: reduce(g, manual) if s is None else scattered_share(g, s, 0, manual, manual, reduce),
+                        grads, shares)
 
 
 def _each_micro_batch(grad_fn, params, inputs, hold):
