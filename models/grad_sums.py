@@ -73,12 +73,16 @@ def scattered_share(g, spec: PartitionSpec, lead: int, axes: tuple[str, ...], ma
                          check_vma=False)(g)
 
 
-def share_spec(spec: PartitionSpec, manual_first: str | None = None) -> PartitionSpec:
-    """The out spec, in a shard_map manual over data, of a gradient `scattered_share` left as the
-    ZeRO-1 split `spec` gives it (data where `spec` puts it alone; `manual_first`, where given,
-    on the first dimension: a pipeline's stage)."""
-    entries = [DATA if entry_axes(e) == (DATA,) else None for e in spec]
-    return PartitionSpec(manual_first, *entries[1:]) if manual_first else PartitionSpec(*entries)
+def share_specs(shares, manual_first: str | None = None):
+    """The out specs, in a shard_map manual over data, of gradients left as `shares` (a tree of
+    ZeRO-1 splits, `sharding.data_scatter_specs`) gives them: data where a split puts it alone,
+    nothing where there is none (summed whole); `manual_first`, where given, on the first
+    dimension of each (a pipeline's stage)."""
+    def out(spec):
+        entries = [DATA if entry_axes(e) == (DATA,) else None for e in (spec or ())]
+        return PartitionSpec(manual_first, *entries[1:]) if manual_first else PartitionSpec(*entries)
+
+    return jax.tree.map(out, shares, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
 
 
 # Where a loop that sums the weights' gradients over data itself (a 1F1B pipeline's ticks) leaves

@@ -53,7 +53,7 @@ from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from xlaopt.mesh import DATA, STAGE
-from xlaopt.models.grad_sums import accumulated_dtype, scattered_share, share_spec, summed_gradients
+from xlaopt.models.grad_sums import accumulated_dtype, scattered_share, share_specs, summed_gradients
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 from xlaopt.transforms import cast_once
@@ -102,9 +102,7 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
     manual = tuple(a for a in (STAGE, data, seq) if a)
     scatter = scatter if data == DATA else None  # scattered over data where the loop runs manual over it
     run = _loop(layer_fn, tail, inner, gather, like_weights, schedule, split, data, seq, scatter)
-    d_params_spec = PartitionSpec(STAGE) if scatter is None else jax.tree.map(
-        lambda spec: PartitionSpec(STAGE) if spec is None else share_spec(spec, STAGE), scatter,
-        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    d_params_spec = PartitionSpec(STAGE) if scatter is None else share_specs(scatter, STAGE)
 
     def step(params_L, tail_params, carry, args, tail_args, extra):
         inputs = PartitionSpec(data, seq)
@@ -292,10 +290,10 @@ def _weights_summed(d_chunks, summed: tuple[str, ...], to_contiguous: Callable, 
     if scatter is None:
         return _in_dtypes_of(to_contiguous(summed_gradients(d_chunks, summed)), d_chunks)
 
-    def share(spec, d):  # the chunk layout [V, k, ...] has one dimension more than the weight's [L, ...]
+    def share(d, spec):  # the chunk layout [V, k, ...] has one dimension more than the weight's [L, ...]
         return summed_gradients(d, summed) if spec is None else scattered_share(d, spec, 1, summed, (STAGE,))
 
-    tree = jax.tree.map(share, scatter, d_chunks, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
+    tree = jax.tree.map(share, d_chunks, scatter)
     return _in_dtypes_of(to_contiguous(tree), d_chunks)
 
 

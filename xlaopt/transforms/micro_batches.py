@@ -5,7 +5,8 @@ shard_map manual over the axes that split the rows (data) and, where context par
 the sequences, over that axis too: each rank sums its own tokens' gradients over the loop and they
 are reduced once, after the last micro-batch, as Megatron-LM reduces over data x context. Left to
 the partitioner, the weight gradients were all-reduced inside each layer's backward at every
-micro-batch (calibration row R11, data=4 x context=2: 32 micro-batches a step).
+micro-batch (calibration row R11, data=4 x context=2: 32 micro-batches a step). Under ZeRO-1
+they are reduce-scattered over data instead, each replica keeping the share its moments update.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from xlaopt.models.grad_sums import reduced_over, scattered_share, share_spec
+from xlaopt.models.grad_sums import reduced_over, scattered_share, share_specs
 from xlaopt.models.layers import manual_over, rows_split_over, sequence_split_over
 from xlaopt.transforms import weights_once
 
@@ -95,16 +96,11 @@ def accumulate_manual(grad_fn, draws, micro_batches: int, rows: dict[str, int], 
             return (*jax.lax.psum((loss, metrics), manual), _reduced(grads, shares, reduce, manual))
 
         shares = scatter(params) if scatter is not None else None
-        out_specs = PartitionSpec() if shares is None else (PartitionSpec(), PartitionSpec(), jax.tree.map(
-            lambda s: PartitionSpec() if s is None else share_spec(s), shares, is_leaf=_spec_or_none))
+        out_specs = PartitionSpec() if shares is None else (PartitionSpec(), PartitionSpec(), share_specs(shares))
         return jax.shard_map(local, in_specs=(PartitionSpec(), {n: spec(n) for n in drawn}, PartitionSpec()),
                              out_specs=out_specs, axis_names=set(manual), check_vma=False)(params, drawn, key)
 
     return accumulated
-
-
-def _spec_or_none(x) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
 
 
 def _reduced(grads, shares, reduce, manual: tuple[str, ...]):
