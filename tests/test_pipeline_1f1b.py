@@ -198,10 +198,11 @@ def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
     rng = np.random.default_rng(1)
     w, x, s = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, D, D), (B, T, D), (B, T, D)))
     ids = jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32)
-    once_of, forward_of, rebuild, kept_avals = _split_on_weights(fwd, w, x, [s], [ids])
+    once_of, forward_of, backward_of, kept_avals = _split_on_weights(fwd, w, x, [s], [ids])
     once, held = once_of(w)
     assert {h.dtype for h in held} == {jnp.dtype(jnp.bfloat16)}  # the casts alone, not the fp32 weights
-    weight_converts = [e for e in _walk(jax.make_jaxpr(forward_of)(held, x, [s], [ids]).jaxpr)
+    once, held = ([a[None] for a in tree] for tree in (once, held))  # one chunk's stacks: V = 1, v = 0
+    weight_converts = [e for e in _walk(jax.make_jaxpr(lambda h: forward_of(h, 0, x, [s], [ids]))(held).jaxpr)
                        if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float32
                        and e.invars[0].aval.shape[-2:] == (D, D)]
     assert weight_converts == []
@@ -209,12 +210,12 @@ def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
                         if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape[-2:] == (D, D)]
     assert unsplit_converts  # the check above can fail: the unsplit forward casts the weights
 
-    y, kept = forward_of(held, x, [s], [ids])
+    y, kept = forward_of(held, 0, x, [s], [ids])
     assert [k.shape for k in kept] == [a.shape for a in kept_avals]
     want_y, want_vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, [ids]), w, x, [s])
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
     dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
-    for got, want in zip(jax.tree.leaves(rebuild(once, kept)(dy)), jax.tree.leaves(want_vjp(dy))):
+    for got, want in zip(jax.tree.leaves(backward_of(once, 0, kept, dy)), jax.tree.leaves(want_vjp(dy))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
