@@ -15,12 +15,14 @@ way a tick; M + 2P - 2 ticks. A forward keeps its `jax.vjp` residuals in a ring 
 min(M, 2P - 1) slots that its backward reads back (stage 0 holds a micro-batch longest, 2P - 2
 ticks); residuals that depend on the weights alone (their casts, their transposes) are computed
 once a step, not kept per slot, and so is what a forward reads of the weights (their casts to the
-compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again,
-and a tick's layer scan reads each layer of its chunk out of the stage's stack where it lies
-(`transforms.stacked_reads`), and its backward reads its residuals out of the ring.
-Each stage's forward, tail and backward sit under `lax.cond` (the sends outside it), so a stage
-that has nothing to run in a tick runs nothing: a tick costs the busiest stage's work, and the
-step (M + P - 1) (F + B), GPipe's.
+compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again.
+Those are split once a step into a buffer a layer, and a tick runs its chunk's layers one after
+another, each reading its own (`transforms.layers_apart`: XLA's GPU compile copies any slice of a
+stack out before a GEMM reads it), each layer's residuals written into the ring and each layer's
+weight gradients into the accumulators, none stacked first.
+Each stage's forward, tail and backward sit under a conditional (a `lax.switch` over the chunks
+for the forward and backward; the sends outside), so a stage that has nothing to run in a tick
+runs nothing: a tick costs the busiest stage's work, and the step (M + P - 1) (F + B), GPipe's.
 
 Two writes stay outside the conditionals, for XLA's GPU compile (calibration row N10, an 80.2 s
 step before either): a bubble tick's forward writes its zeros into a spare slot past the ring,
@@ -57,7 +59,7 @@ from xlaopt.models.grad_sums import accumulated_dtype, scattered_share, share_sp
 from xlaopt.models.layers import manual_axes, manual_over, rows_split_over
 from xlaopt.models.pipeline import BRANCH_SCOPE, PipelineSchedule, _micro_batching, _to_round_order, stages_of_mesh
 from xlaopt.transforms import cast_once
-from xlaopt.transforms.stacked_reads import evaluate_reading_stacks
+from xlaopt.transforms.layers_apart import Layers, apart, evaluate_by_layer, is_layers, scanned_inputs
 
 # (tail_params, y_mb, tail_args_mb, extra) -> this micro-batch's share of the loss, and of each
 # metric ({name: scalar}, reported, not differentiated)
@@ -140,18 +142,19 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
 def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     """`fwd(params_k, x, a_float, a_rest)` and its vjp (differentiated in the first three) split
     by JAX's partial evaluation into what depends on the weights alone and what on the
-    micro-batch: (once_of, forward_of, backward_of, kept_avals).
+    micro-batch: (once_of, forward_of, backward_of, apart).
 
     `once_of(params_k) -> (once, held)` is the weights' part, run once a step: `once` the vjp
     residuals made of the weights alone (their casts, their transposes), `held` what the forward
     reads of them (the weights cast to the compute dtype, or quantized to fp8 with their scales).
-    `forward_of(held_V, v, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch:
-    the output and the residuals that depend on the micro-batch, shaped `kept_avals`.
-    `backward_of(once_V, v, kept, dy)` is the vjp. Both take the V chunks' stacks (`held` and
-    `once` of each chunk, stacked) and read chunk v's layers where they lie
-    (`stacked_reads.evaluate_reading_stacks`). Each tick's forward sliced its chunk of the fp32
-    weights and cast them again before the split (with `_stacked_once`, 1.4 s of calibration row
-    R13's 22.5 s step)."""
+    `forward_of(held, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch: the
+    output and the residuals that depend on the micro-batch. `backward_of(once, kept, dy)` is the
+    vjp. `apart = (once, held)` says of each of their lists which leaves the chunk's layer scan
+    scans: given as `layers_apart.Layers`, the forward and backward read them a layer at a time
+    from buffers of their own, the scan unrolled (`layers_apart.evaluate_by_layer`), and what the
+    scan would stack (the weights' gradients, the residuals kept) comes back as `Layers`. Each
+    tick's forward sliced its chunk of the fp32 weights and cast them again before the split
+    (with `_stacked_once`, 1.4 s of calibration row R13's 22.5 s step)."""
     def run(p, x, af, ar):
         return jax.vjp(lambda p, x, af: fwd(p, x, af, ar), p, x, af)
 
@@ -163,14 +166,15 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     y_unknown, per_microbatch = out_unknown[:n_y], out_unknown[n_y:]
     assert all(y_unknown), "the layers' output does not depend on their input"
     n_once = sum(not u for u in per_microbatch)
+    n_held = len(known.out_avals) - n_once
     known_fn = jaxpr_as_fun(known)
 
     def once_of(params):
         outs = known_fn(*jax.tree.leaves(params))
         return list(outs[:n_once]), list(outs[n_once:])
 
-    def forward_of(held_V, v, x, af, ar):
-        outs = evaluate_reading_stacks(unknown, held_V, v, *jax.tree.leaves((x, af, ar)))
+    def forward_of(held, x, af, ar):
+        outs = evaluate_by_layer(unknown, *held, *jax.tree.leaves((x, af, ar)))
         return jax.tree.unflatten(jax.tree.structure(y_shape), outs[:n_y]), list(outs[n_y:])
 
     def rebuild(once, kept, dy):
@@ -183,11 +187,12 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     backward, d_shape = jax.make_jaxpr(rebuild, return_shape=True)(
         like(known.out_avals[:n_once]), like(kept_avals), y_shape)
 
-    def backward_of(once_V, v, kept, dy):
-        outs = evaluate_reading_stacks(backward, once_V, v, *kept, *jax.tree.leaves(dy))
+    def backward_of(once, kept, dy):
+        outs = evaluate_by_layer(backward, *once, *kept, *jax.tree.leaves(dy))
         return jax.tree.unflatten(jax.tree.structure(d_shape), outs)
 
-    return once_of, forward_of, backward_of, kept_avals
+    apart = (scanned_inputs(backward)[:n_once], scanned_inputs(unknown)[:n_held])
+    return once_of, forward_of, backward_of, apart
 
 
 def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
@@ -220,6 +225,63 @@ def _stacked_once(once_of: Callable, chunks, chunk: Callable, V: int):
     apart = jax.lax.optimization_barrier(chunks)
     return (stacked([once_of(chunk(chunks, v))[0] for v in range(V)]),
             stacked([once_of(chunk(apart, v))[1] for v in range(V)]))
+
+
+def _chunks_apart(stacks: list, apart_: list[bool], V: int) -> list[list]:
+    """[V, k, ...] stacks (one chunk of k layers each along the first dimension) as each chunk's
+    list, a stack its layer scan scans (`apart_`) as `Layers` (split once a step, here, so each
+    layer's weights are a buffer of its own), any other as the chunk's slice."""
+    return [[apart(s[v]) if a else s[v] for s, a in zip(stacks, apart_, strict=True)] for v in range(V)]
+
+
+def _chunk_switch(ok, v, chunk_fn: Callable, V: int, *operands):
+    """`chunk_fn(v)(*operands)` where `ok`, else its results' shapes in zeros: one `lax.switch`
+    whose branch 0 runs nothing (as a `lax.cond`'s false branch; the simulator's rule for 1F1B's
+    branches, `PipelineSchedule.branches_taken`, picks branch 0 or the busiest other) and branch
+    c + 1 chunk c, each on its own layers' buffers, none sliced out of a stack."""
+    branches = [_zeros_of(chunk_fn(0), *operands)] + [chunk_fn(c) for c in range(V)]
+    return jax.lax.switch(jnp.where(ok, v + 1, 0), branches, *operands)
+
+
+def _accumulated(d_chunks, dp, v, like_weights: Callable | None):
+    """The accumulators [V, k, ...] with chunk v's weight gradients `dp` added, layer by layer
+    where they come as `Layers` (each layer's written where it accumulates, never stacked first:
+    calibration row R13, 0.35 s of its step), laid out as the weights are (`like_weights`, one
+    layer at a time)."""
+    def layers(g):
+        return g if is_layers(g) else apart(g)
+
+    dp = jax.tree.map(layers, dp, is_leaf=is_layers)
+    k = len(jax.tree.leaves(dp, is_leaf=is_layers)[0])
+    for i in range(k):
+        g_i = jax.tree.map(lambda g, i=i: g[i][None], dp, is_leaf=is_layers)
+        g_i = like_weights(g_i) if like_weights is not None else g_i
+        d_chunks = jax.tree.map(lambda d, g, i=i: _add_at(d, (v, i), g[0]), d_chunks, g_i)
+    return d_chunks
+
+
+def _ring_write(ring: list, kept: list, slot) -> list:
+    """The ring with a forward's residuals written into `slot`, each in place, a layer at a time
+    where it comes as `Layers` (the ring holds it stacked, [slots, k, ...])."""
+    def write(r, k):
+        if not is_layers(k):
+            return jax.lax.dynamic_update_index_in_dim(r, k, slot, 0)
+        for i, x in enumerate(k):
+            r = jax.lax.dynamic_update_slice(r, x[None, None], (slot, i) + (0,) * x.ndim)
+        return r
+
+    return [write(r, k) for r, k in zip(ring, kept, strict=True)]
+
+
+def _ring_read(ring: list, slot, like: list) -> list:
+    """The residuals in `slot` of the ring, as `Layers` where the forward gave them so (`like`)."""
+    def read(r, k):
+        if not is_layers(k):
+            return r[slot]
+        zeros = (0,) * (r.ndim - 2)
+        return Layers(jax.lax.dynamic_slice(r, (slot, i, *zeros), (1, 1, *r.shape[2:]))[0, 0] for i in range(len(k)))
+
+    return [read(r, k) for r, k in zip(ring, like, strict=True)]
 
 
 def _zeros_of(fn: Callable, *operands) -> Callable:
@@ -257,7 +319,7 @@ def _in_chunks(params_k, stages: int, V: int):
 
 
 def _add_at(d, i, g):
-    """`d[i] += g` as a scatter-add of the one index, which XLA's GPU compile fuses into one
+    """`d[i] += g` (`i` an index or a tuple of them) as a scatter-add of the one index, which XLA's GPU compile fuses into one
     in-place update: the slice read, added and written back. As a dynamic slice and a dynamic
     update of the same buffer it copied the slice out first, in a fusion of its own (calibration
     row R13: 1.2 s of its step). The accumulators start from the weights times zero
@@ -350,12 +412,13 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
 
         x0 = take(carry_M, 0)
         narrowed = _narrowed(fwd, chunk(own, 0), x0, *parts(take(args_M, 0)))(own)
-        once_of, forward_of, backward_of, kept_avals = _split_on_weights(fwd, chunk(narrowed, 0), x0,
-                                                                     *parts(take(args_M, 0)))
+        once_of, forward_of, backward_of, (once_apart, held_apart) = _split_on_weights(
+            fwd, chunk(narrowed, 0), x0, *parts(take(args_M, 0)))
         once, held = to_round(_stacked_once(once_of, narrowed, chunk, V))
+        once, held = _chunks_apart(once, once_apart, V), _chunks_apart(held, held_apart, V)
 
-        def forward(x, af, ar, v):
-            return forward_of(held, v, x, af, ar)
+        def forward_in(v):  # chunk v's forward
+            return lambda x, af, ar: forward_of(held[v], x, af, ar)
 
         def tail_grad(y, ta):
             (loss, metrics), (d_tail, dy) = jax.value_and_grad(tail, argnums=(0, 1), has_aux=True)(
@@ -363,8 +426,8 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             as_f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
             return (as_f32(loss), jax.tree.map(as_f32, metrics)), _as_accumulated(d_tail), dy
 
-        def backward(ring, b_slot, dy, v):
-            return backward_of(once, v, [r[b_slot] for r in ring], dy)
+        def backward_in(v):  # chunk v's backward, its residuals read out of the ring
+            return lambda ring, b_slot, dy: backward_of(once[v], _ring_read(ring, b_slot, kept_shapes), dy)
 
         def tick(state, t):
             handed_y, handed_dy, ring, (d_chunks, d_tail, d_carry, d_args, reported) = state
@@ -375,19 +438,17 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             x = jax.tree.map(lambda own, h: jnp.where(first & (fv == 0), own, h), take(carry_M, fm), handed_y)
             af, ar = parts(take(args_M, fm))
             with jax.named_scope(BRANCH_SCOPE.format("forward")):
-                y, kept = jax.lax.cond(f_ok, forward, _zeros_of(forward, x, af, ar, fv), x, af, ar, fv)
+                y, kept = _chunk_switch(f_ok, fv, forward_in, V, x, af, ar)
             slot = jnp.where(f_ok, f % slots, slots)  # the spare slot past the ring takes a bubble tick's
-            ring = [jax.lax.dynamic_update_index_in_dim(r, k, slot, 0) for r, k in zip(ring, kept)]
+            ring = _ring_write(ring, kept, slot)
             ta = take(tail_args_M, fm)
             with jax.named_scope(BRANCH_SCOPE.format("tail")):
                 l, dt, dy_tail = jax.lax.cond(last & f_ok & (fv == V - 1), tail_grad, _zeros_of(tail_grad, y, ta),
                                               y, ta)
             dy = jax.tree.map(lambda own, h: jnp.where(last & (bv == V - 1), own, h), dy_tail, handed_dy)
-            operands = (ring, b_slot % slots, dy, bv)
             with jax.named_scope(BRANCH_SCOPE.format("backward")):
-                dp, dx, da = jax.lax.cond(b_ok, backward, _zeros_of(backward, *operands), *operands)
-            dp = like_weights(dp) if like_weights is not None else dp
-            d_chunks = jax.tree.map(lambda d, g: _add_at(d, bv if V > 1 else 0, g), d_chunks, dp)
+                dp, dx, da = _chunk_switch(b_ok, bv, backward_in, V, ring, b_slot % slots, dy)
+            d_chunks = _accumulated(d_chunks, dp, bv if V > 1 else 0, like_weights)
             d_carry = jax.tree.map(lambda o, n: o.at[bm].add(jnp.where(first & b_ok & (bv == 0), n, 0)), d_carry, dx)
             d_args = [o.at[bm].add(jnp.where(b_ok, n, 0)) for o, n in zip(d_args, da)]
             sent_y = jax.tree.map(lambda v: jax.lax.ppermute(v, STAGE, up), y)
@@ -395,7 +456,9 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             acc = (d_chunks, jax.tree.map(jnp.add, d_tail, dt), d_carry, d_args, jax.tree.map(jnp.add, reported, l))
             return (sent_y, sent_dy, ring, acc), None
 
-        ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in kept_avals]
+        kept_shapes = jax.eval_shape(forward_in(0), x0, *parts(take(args_M, 0)))[1]
+        stacked = [jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype) if is_layers(a) else a for a in kept_shapes]
+        ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in stacked]
         acc = (_accumulators(own), _as_accumulated(_zeros(tail_params)), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))

@@ -22,6 +22,7 @@ from xlaopt.models.pipeline_1f1b import pipeline_loss_1f1b
 from xlaopt.models.stack import scan_layers
 from xlaopt.pipeline import pipeline, run_pipeline
 from xlaopt.program import TrainProgram, TrainSettings
+from xlaopt.transforms.layers_apart import apart, is_layers
 
 from conftest import needs_devices
 
@@ -198,11 +199,13 @@ def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
     rng = np.random.default_rng(1)
     w, x, s = (jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((2, D, D), (B, T, D), (B, T, D)))
     ids = jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32)
-    once_of, forward_of, backward_of, kept_avals = _split_on_weights(fwd, w, x, [s], [ids])
+    once_of, forward_of, backward_of, (once_apart, held_apart) = _split_on_weights(fwd, w, x, [s], [ids])
     once, held = once_of(w)
     assert {h.dtype for h in held} == {jnp.dtype(jnp.bfloat16)}  # the casts alone, not the fp32 weights
-    once, held = ([a[None] for a in tree] for tree in (once, held))  # one chunk's stacks: V = 1, v = 0
-    weight_converts = [e for e in _walk(jax.make_jaxpr(lambda h: forward_of(h, 0, x, [s], [ids]))(held).jaxpr)
+    assert all(held_apart) and held and any(once_apart)  # the layer scan scans them: each layer's own buffer
+    once, held = ([apart(a) if by_layer else a for a, by_layer in zip(tree, which)]
+                  for tree, which in ((once, once_apart), (held, held_apart)))
+    weight_converts = [e for e in _walk(jax.make_jaxpr(lambda h: forward_of(h, x, [s], [ids]))(held).jaxpr)
                        if e.primitive.name == "convert_element_type" and e.invars[0].aval.dtype == jnp.float32
                        and e.invars[0].aval.shape[-2:] == (D, D)]
     assert weight_converts == []
@@ -210,13 +213,19 @@ def test_a_ticks_forward_reads_the_weights_cast_once_a_step():
                         if e.primitive.name == "convert_element_type" and e.invars[0].aval.shape[-2:] == (D, D)]
     assert unsplit_converts  # the check above can fail: the unsplit forward casts the weights
 
-    y, kept = forward_of(held, 0, x, [s], [ids])
-    assert [k.shape for k in kept] == [a.shape for a in kept_avals]
+    y, kept = forward_of(held, x, [s], [ids])
+    # what the scan keeps, a layer at a time; beside it only what every layer reads of the
+    # arguments, computed once before the scan (rows first, no layer dimension)
+    assert any(is_layers(k) for k in kept) and all(len(k) == 2 for k in kept if is_layers(k))
+    assert all(k.shape[:2] == (B, T) for k in kept if not is_layers(k))
     want_y, want_vjp = jax.vjp(lambda p, x, af: fwd(p, x, af, [ids]), w, x, [s])
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
     dy = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
-    for got, want in zip(jax.tree.leaves(backward_of(once, 0, kept, dy)), jax.tree.leaves(want_vjp(dy))):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    d_w, d_x, d_s = jax.jit(backward_of)(once, kept, dy)
+    assert is_layers(d_w) and not is_layers(d_x)  # the weights' gradients a layer at a time, never stacked
+    got = jax.tree.map(lambda g: g.stacked() if is_layers(g) else g, (d_w, d_x, d_s), is_leaf=is_layers)
+    for a, want in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(want_vjp)(dy)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
 
 
 def _half_layer(p, x_BTD, s_BTD, ids_BT):

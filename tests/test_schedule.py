@@ -162,6 +162,28 @@ def test_compiled_batched_dot_with_while_loop():
     assert s.flops == pytest.approx(4 * 2 * 3 * 16 * 16 * 16)
 
 
+def test_a_switch_under_a_rule_runs_branch_0_or_its_busiest_other_branch_at_each_trip():
+    """A switch inside a loop under a `branch_taken` rule (1F1B's chunks: branch 0 runs nothing,
+    branch c + 1 chunk c): at a trip the rule says runs nothing, branch 0; at the others, the
+    branch of the most FLOPs (a dot chain of 1, 2 or 3 matmuls here), never the sum of them."""
+    def body(i, x):
+        with jax.named_scope("chunks"):
+            return jax.lax.switch(i % 4, [lambda x: x] + [lambda x, n=n: _chain(x, n) for n in (1, 3, 2)], x)
+
+    def _chain(x, n):
+        for _ in range(n):
+            x = jnp.tanh(x @ x)
+        return x
+
+    f = jax.jit(lambda x: jax.lax.fori_loop(0, 6, body, x))
+    text = f.lower(jax.ShapeDtypeStruct((16, 16), jnp.float32)).compile().as_text()
+    one = 2 * 16 ** 3
+    taken = lambda t: t in (1, 2, 4)  # noqa: E731
+    assert build_schedule(text, branch_taken={"chunks": taken}).flops == pytest.approx(3 * 3 * one)
+    assert build_schedule(text, branch_taken={"chunks": lambda t: False}).flops == 0
+    assert build_schedule(text).flops == pytest.approx(6 * 3 * one)  # no rule: the busiest at every trip
+
+
 def test_async_combined_reduce_scatter_and_all_gather_bytes():
     """GPU async starts return ((operands...), (results...)); V is the whole arrays."""
     text = """HloModule m, is_scheduled=true

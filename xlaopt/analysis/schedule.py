@@ -204,6 +204,11 @@ def _taken_by(attrs: str, branch_taken: dict[str, Callable[[int], bool]]) -> tup
     return next(((tag, rule) for tag, rule in branch_taken.items() if tag in scopes), None)
 
 
+def _busiest(expanded: list[list[Op]]) -> list[Op]:
+    """The branch with the most FLOPs, its loops' as well as its own ops' (each expanded once)."""
+    return max(expanded, key=lambda branch_ops: sum(o.flops for o in branch_ops))
+
+
 def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
                    custom_call_flops: dict[str, dict[str, float]] | None = None,
                    branch_taken: dict[str, Callable[[int], bool]] | None = None) -> Schedule:
@@ -213,13 +218,15 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
     `custom_call_flops`: {name scope: {custom call target: FLOPs of one run}} for custom calls
     XLA counts no FLOPs for (cuDNN's fused attention, forward and backward).
     `branch_taken`: {name scope: trip -> whether the true branch runs} for a conditional inside a
-    loop, at each trip of that loop (the busiest device's branch)."""
+    loop, at each trip of that loop (the busiest device's branch); of a switch, whether one of the
+    branches after the first runs (the busiest of them), or the first."""
     reader = HloReader(hlo_text)
     if reader.entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     templates: dict[str, list[Op]] = {}
     loops: list[dict] = []
     seen_loops: set[str] = set()
+    busiest_of: dict[tuple[str, ...], str] = {}
 
     def template(comp: str) -> list[Op]:
         if comp not in templates:
@@ -263,14 +270,19 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
             # (false, true): a boolean predicate's index is 0 or 1
             branches = [b.strip().lstrip("%") for b in m.group(1).split(",")] if m else \
                 [c for c in (reader.callee(ins, "false_computation"), reader.callee(ins, "true_computation")) if c]
-            ruled = _taken_by(ins.attrs, branch_taken or {}) if len(branches) == 2 else None
-            if ruled is not None:
+            ruled = _taken_by(ins.attrs, branch_taken or {}) if len(branches) >= 2 else None
+            if ruled is not None:  # not taken: branch 0; taken: one of the others (a switch's: the busiest)
                 tag, rule = ruled
+                chosen = branches[1:] if rule(trip) else branches[:1]
+                if len(chosen) > 1:  # a switch's branches: which is busiest is found once, at its first trip
+                    if tuple(chosen) not in busiest_of:
+                        flops = [sum(o.flops for o in expand(b, depth + 1, trip)) for b in chosen]
+                        busiest_of[tuple(chosen)] = chosen[flops.index(max(flops))]
+                    chosen = [busiest_of[tuple(chosen)]]
                 yield from (o if o.branch else dataclasses.replace(o, branch=tag)
-                            for o in expand(branches[int(rule(trip))], depth + 1, trip))
-            elif branches:  # by the FLOPs of each branch's loops as well as its own ops, each expanded once
-                expanded = [list(expand(b, depth + 1, trip)) for b in branches]
-                yield from max(expanded, key=lambda branch_ops: sum(o.flops for o in branch_ops))
+                            for o in expand(chosen[0], depth + 1, trip))
+            elif branches:
+                yield from _busiest([list(expand(b, depth + 1, trip)) for b in branches])
         else:
             yield op
 
