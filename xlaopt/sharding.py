@@ -153,14 +153,15 @@ def over_data(spec: PartitionSpec, shape: Sequence[int], mesh: MeshSpec) -> Part
     entries = list(spec) + [None] * (len(shape) - len(spec))
     divides = [size % (ways * math.prod(mesh.size(a) for a in entry_axes(entry))) == 0
                for entry, size in zip(entries, shape)]
-    alone = [d for d, ok in enumerate(divides) if ok and not entry_axes(entries[d])]
-    for dim in alone[:1] or [d for d, ok in enumerate(divides) if ok][:1]:
-        axes = entry_axes(entries[dim])
-        entries[dim] = (*axes, "data") if axes else "data"
-        while entries[-1] is None:
-            entries.pop()
-        return PartitionSpec(*entries)
-    return spec
+    dim = next((d for d, ok in enumerate(divides) if ok and not entry_axes(entries[d])),
+               next((d for d, ok in enumerate(divides) if ok), None))
+    if dim is None:
+        return spec
+    axes = entry_axes(entries[dim])
+    entries[dim] = (*axes, "data") if axes else "data"
+    while entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def data_scatter_specs(specs, params, mesh: MeshSpec):

@@ -90,10 +90,15 @@ def model_loss(program: TrainProgram):
     return make_model(program), traced
 
 
+def _zero1_over_data(program: TrainProgram) -> bool:
+    """Whether the optimizer's state is split over data replicas (ZeRO-1) on a layout that has them."""
+    return program.execution.sharded_optimizer and program.shardings is not None and program.mesh.size(DATA) > 1
+
+
 def _scattered_over_data(program: TrainProgram):
     """Under ZeRO-1, where a 1F1B pipeline's loop (manual over `stage` and `data`) leaves each stacked
     weight's gradient over data: reduce-scattered onto the moments' split (`sharding.data_scatter_specs`)."""
-    if not program.execution.sharded_optimizer or program.shardings is None or program.mesh.size(DATA) == 1:
+    if not _zero1_over_data(program):
         return None
     from xlaopt.sharding import data_scatter_specs
 
@@ -104,7 +109,7 @@ def _scattered_over_data(program: TrainProgram):
 
 def _shares_over_data(program: TrainProgram):
     """The same for the micro-batch loop manual over data: `params ->` each trained weight's split."""
-    if _scattered_over_data(program) is None:
+    if not _zero1_over_data(program):
         return None
     from xlaopt.sharding import data_scatter_specs
 
