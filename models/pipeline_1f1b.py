@@ -16,8 +16,8 @@ min(M, 2P - 1) slots that its backward reads back (stage 0 holds a micro-batch l
 ticks); residuals that depend on the weights alone (their casts, their transposes) are computed
 once a step, not kept per slot, and so is what a forward reads of the weights (their casts to the
 compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again.
-Those are split once a step into a buffer a layer, and a tick runs its chunk's layers one after
-another, each reading its own (`transforms.layers_apart`: XLA's GPU compile copies any slice of a
+Over virtual stages they are split once a step into a buffer a layer, and a tick runs its
+chunk's few layers one after another, each reading its own (`transforms.layers_apart`: XLA's GPU compile copies any slice of a
 stack out before a GEMM reads it), each layer's residuals written into the ring and each layer's
 weight gradients into the accumulators, none stacked first.
 Each stage's forward, tail and backward sit under a conditional (a `lax.switch` over the chunks
@@ -230,8 +230,16 @@ def _stacked_once(once_of: Callable, chunks, chunk: Callable, V: int):
 def _chunks_apart(stacks: list, apart_: list[bool], V: int) -> list[list]:
     """[V, k, ...] stacks (one chunk of k layers each along the first dimension) as each chunk's
     list, a stack its layer scan scans (`apart_`) as `Layers` (split once a step, here, so each
-    layer's weights are a buffer of its own), any other as the chunk's slice."""
-    return [[apart(s[v]) if a else s[v] for s, a in zip(stacks, apart_, strict=True)] for v in range(V)]
+    layer's weights are a buffer of its own), any other as the chunk's slice.
+
+    Over virtual stages only, whose chunks are a few layers each (R13: 2). Without them a chunk
+    is a stage's whole stack, and unrolled it priced slower: held-out row N03 (16 layers a stage)
+    8.47 -> 9.32 s, its sequence-parallel waits exposed as R13's are, and each layer's gradient,
+    added at a constant index, priced by the simulator as its whole accumulator
+    (`hlo_costs._fusion_access` reads a static slice as its whole buffer); N05's compile (20
+    layers a stage) was 321 s already. The scan over the stage's stack reads each layer by one
+    dynamic slice there (the chunk's slice of a [1, k, ...] stack is the whole buffer)."""
+    return [[apart(s[v]) if a and V > 1 else s[v] for s, a in zip(stacks, apart_, strict=True)] for v in range(V)]
 
 
 def _chunk_switch(ok, v, chunk_fn: Callable, V: int, *operands):
@@ -247,7 +255,11 @@ def _accumulated(d_chunks, dp, v, like_weights: Callable | None):
     """The accumulators [V, k, ...] with chunk v's weight gradients `dp` added, layer by layer
     where they come as `Layers` (each layer's written where it accumulates, never stacked first:
     calibration row R13, 0.35 s of its step), laid out as the weights are (`like_weights`, one
-    layer at a time)."""
+    layer at a time); without `Layers` (no virtual stages, `_chunks_apart`), the chunk at once."""
+    if not any(map(is_layers, jax.tree.leaves(dp, is_leaf=is_layers))):
+        dp = like_weights(dp) if like_weights is not None else dp
+        return jax.tree.map(lambda d, g: _add_at(d, v, g), d_chunks, dp)
+
     def layers(g):
         return g if is_layers(g) else apart(g)
 
@@ -258,6 +270,13 @@ def _accumulated(d_chunks, dp, v, like_weights: Callable | None):
         g_i = like_weights(g_i) if like_weights is not None else g_i
         d_chunks = jax.tree.map(lambda d, g, i=i: _add_at(d, (v, i), g[0]), d_chunks, g_i)
     return d_chunks
+
+
+def _ring(kept_shapes: list, slots: int) -> list:
+    """Zero buffers, [slots, ...] each, for a forward's residuals (shapes of them, or of `Layers`,
+    which the ring holds stacked: [slots, k, ...])."""
+    stacked = [jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype) if is_layers(a) else a for a in kept_shapes]
+    return [jnp.zeros((slots, *a.shape), a.dtype) for a in stacked]
 
 
 def _ring_write(ring: list, kept: list, slot) -> list:
@@ -457,8 +476,7 @@ def _loop(layer_fn, tail, inner, gather, like_weights, schedule: PipelineSchedul
             return (sent_y, sent_dy, ring, acc), None
 
         kept_shapes = jax.eval_shape(forward_in(0), x0, *parts(take(args_M, 0)))[1]
-        stacked = [jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype) if is_layers(a) else a for a in kept_shapes]
-        ring = [jnp.zeros((slots + 1, *a.shape), a.dtype) for a in stacked]
+        ring = _ring(kept_shapes, slots + 1)
         acc = (_accumulators(own), _as_accumulated(_zeros(tail_params)), _zeros(carry_M), _zeros(parts(args_M)[0]),
                _zeros_of(tail_grad, x0, take(tail_args_M, 0))()[0])
         (_, _, _, acc), _ = jax.lax.scan(tick, (_zeros(x0), _zeros(x0), ring, acc), jnp.arange(schedule.ticks))

@@ -87,7 +87,10 @@ def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_
     float argument) equal the unpipelined ones, without virtual stages and over two (interleaved
     1F1B: chunks of 2 layers, the weights reordered into round order and their gradients back).
     Its one tick loop of V M + VP + P - 2 trips keeps each residual of a chunk in min(V M, 2VP - 1)
-    slots (2P - 1 without virtual stages) and a spare, never one per micro-batch or per tick."""
+    slots (2P - 1 without virtual stages) and a spare, never one per micro-batch or per tick. Over
+    virtual stages a tick runs its chunk's layers unrolled, each on its own buffers
+    (`layers_apart`): the tick loop holds no loop; without them the stage's layer scan, forward
+    and backward, is a loop inside it."""
     sizes = dict((a, int(n)) for a, n in (kv.split("=") for kv in mesh.split(",")))
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -125,6 +128,7 @@ def test_the_loop_gives_the_unpipelined_loss_and_gradients_and_keeps_2p_minus_1_
     assert len(ticking) == 1 and {int(n) for n in re.findall(saved, ticking[0])} == {schedule.saved_ticks + 1}, \
         ticking
     assert not any(re.search(saved, st) for st in states if st is not ticking[0])
+    assert len(states) == (1 if virtual > 1 else 3), len(states)
 
 
 @needs_devices(8)

@@ -204,6 +204,18 @@ def _taken_by(attrs: str, branch_taken: dict[str, Callable[[int], bool]]) -> tup
     return next(((tag, rule) for tag, rule in branch_taken.items() if tag in scopes), None)
 
 
+def _ruled_branch(branches: list[str], taken: bool, busiest_of: dict, flops_of: Callable[[str], float]) -> str:
+    """The branch a `branch_taken` rule runs: not taken, branch 0; taken, the other one, or of a
+    switch's others the one of the most FLOPs (found once, at its first trip, into `busiest_of`)."""
+    if not taken:
+        return branches[0]
+    others = tuple(branches[1:])
+    if others not in busiest_of:
+        flops = [flops_of(b) for b in others] if len(others) > 1 else [0.0]
+        busiest_of[others] = others[flops.index(max(flops))]
+    return busiest_of[others]
+
+
 def _busiest(expanded: list[list[Op]]) -> list[Op]:
     """The branch with the most FLOPs, its loops' as well as its own ops' (each expanded once)."""
     return max(expanded, key=lambda branch_ops: sum(o.flops for o in branch_ops))
@@ -273,14 +285,10 @@ def build_schedule(hlo_text: str, loop_trips: dict[str, int] | None = None,
             ruled = _taken_by(ins.attrs, branch_taken or {}) if len(branches) >= 2 else None
             if ruled is not None:  # not taken: branch 0; taken: one of the others (a switch's: the busiest)
                 tag, rule = ruled
-                chosen = branches[1:] if rule(trip) else branches[:1]
-                if len(chosen) > 1:  # a switch's branches: which is busiest is found once, at its first trip
-                    if tuple(chosen) not in busiest_of:
-                        flops = [sum(o.flops for o in expand(b, depth + 1, trip)) for b in chosen]
-                        busiest_of[tuple(chosen)] = chosen[flops.index(max(flops))]
-                    chosen = [busiest_of[tuple(chosen)]]
+                chosen = _ruled_branch(branches, rule(trip), busiest_of,
+                                       lambda b: sum(o.flops for o in expand(b, depth + 1, trip)))
                 yield from (o if o.branch else dataclasses.replace(o, branch=tag)
-                            for o in expand(chosen[0], depth + 1, trip))
+                            for o in expand(chosen, depth + 1, trip))
             elif branches:
                 yield from _busiest([list(expand(b, depth + 1, trip)) for b in branches])
         else:
