@@ -17,9 +17,10 @@ ticks); residuals that depend on the weights alone (their casts, their transpose
 once a step, not kept per slot, and so is what a forward reads of the weights (their casts to the
 compute dtype, or to fp8 with their scales): no tick slices the fp32 weights to cast them again.
 Over virtual stages they are split once a step into a buffer a layer, and a tick runs its
-chunk's few layers one after another, each reading its own (`transforms.layers_apart`: XLA's GPU compile copies any slice of a
-stack out before a GEMM reads it), each layer's residuals written into the ring and each layer's
-weight gradients into the accumulators, none stacked first.
+chunk's few layers one after another, each reading its own (`transforms.layers_apart`: XLA's
+GPU compile copies any slice of a stack out before a GEMM reads it), each layer's residuals
+written into the ring and each layer's weight gradients into the accumulators, none stacked
+first.
 Each stage's forward, tail and backward sit under a conditional (a `lax.switch` over the chunks
 for the forward and backward; the sends outside), so a stage that has nothing to run in a tick
 runs nothing: a tick costs the busiest stage's work, and the step (M + P - 1) (F + B), GPipe's.
