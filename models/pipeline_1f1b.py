@@ -143,14 +143,14 @@ def pipeline_loss_1f1b(layer_fn: Callable, params_L, carry, args: tuple, tail: T
 def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
     """`fwd(params_k, x, a_float, a_rest)` and its vjp (differentiated in the first three) split
     by JAX's partial evaluation into what depends on the weights alone and what on the
-    micro-batch: (once_of, forward_of, backward_of, apart).
+    micro-batch: (once_of, forward_of, backward_of, by_layer).
 
     `once_of(params_k) -> (once, held)` is the weights' part, run once a step: `once` the vjp
     residuals made of the weights alone (their casts, their transposes), `held` what the forward
     reads of them (the weights cast to the compute dtype, or quantized to fp8 with their scales).
     `forward_of(held, x, a_float, a_rest) -> (y, kept)` is the rest, run every micro-batch: the
     output and the residuals that depend on the micro-batch. `backward_of(once, kept, dy)` is the
-    vjp. `apart = (once, held)` says of each of their lists which leaves the chunk's layer scan
+    vjp. `by_layer = (once, held)` says of each of their lists which leaves the chunk's layer scan
     scans: given as `layers_apart.Layers`, the forward and backward read them a layer at a time
     from buffers of their own, the scan unrolled (`layers_apart.evaluate_by_layer`), and what the
     scan would stack (the weights' gradients, the residuals kept) comes back as `Layers`. Each
@@ -192,8 +192,8 @@ def _split_on_weights(fwd: Callable, params_k, x, a_float, a_rest):
         outs = evaluate_by_layer(backward, *once, *kept, *jax.tree.leaves(dy))
         return jax.tree.unflatten(jax.tree.structure(d_shape), outs)
 
-    apart = (scanned_inputs(backward)[:n_once], scanned_inputs(unknown)[:n_held])
-    return once_of, forward_of, backward_of, apart
+    by_layer = (scanned_inputs(backward)[:n_once], scanned_inputs(unknown)[:n_held])
+    return once_of, forward_of, backward_of, by_layer
 
 
 def _narrowed(fwd: Callable, params_k, x, a_float, a_rest):
@@ -228,9 +228,9 @@ def _stacked_once(once_of: Callable, chunks, chunk: Callable, V: int):
             stacked([once_of(chunk(apart, v))[1] for v in range(V)]))
 
 
-def _chunks_apart(stacks: list, apart_: list[bool], V: int) -> list[list]:
+def _chunks_apart(stacks: list, scanned: list[bool], V: int) -> list[list]:
     """[V, k, ...] stacks (one chunk of k layers each along the first dimension) as each chunk's
-    list, a stack its layer scan scans (`apart_`) as `Layers` (split once a step, here, so each
+    list, a stack its layer scan scans (`scanned`) as `Layers` (split once a step, here, so each
     layer's weights are a buffer of its own), any other as the chunk's slice.
 
     Over virtual stages only, whose chunks are a few layers each (R13: 2). Without them a chunk
@@ -240,14 +240,15 @@ def _chunks_apart(stacks: list, apart_: list[bool], V: int) -> list[list]:
     (`hlo_costs._fusion_access` reads a static slice as its whole buffer); N05's compile (20
     layers a stage) was 321 s already. The scan over the stage's stack reads each layer by one
     dynamic slice there (the chunk's slice of a [1, k, ...] stack is the whole buffer)."""
-    return [[apart(s[v]) if a and V > 1 else s[v] for s, a in zip(stacks, apart_, strict=True)] for v in range(V)]
+    return [[apart(s[v]) if by_layer and V > 1 else s[v] for s, by_layer in zip(stacks, scanned, strict=True)]
+            for v in range(V)]
 
 
 def _chunk_switch(ok, v, chunk_fn: Callable, V: int, *operands):
     """`chunk_fn(v)(*operands)` where `ok`, else its results' shapes in zeros: one `lax.switch`
     whose branch 0 runs nothing (as a `lax.cond`'s false branch; the simulator's rule for 1F1B's
     branches, `PipelineSchedule.branches_taken`, picks branch 0 or the busiest other) and branch
-    c + 1 chunk c, each on its own layers' buffers, none sliced out of a stack."""
+    c + 1 chunk c (over virtual stages on its own layers' buffers, `_chunks_apart`)."""
     branches = [_zeros_of(chunk_fn(0), *operands)] + [chunk_fn(c) for c in range(V)]
     return jax.lax.switch(jnp.where(ok, v + 1, 0), branches, *operands)
 
@@ -339,11 +340,12 @@ def _in_chunks(params_k, stages: int, V: int):
 
 
 def _add_at(d, i, g):
-    """`d[i] += g` (`i` an index or a tuple of them) as a scatter-add of the one index, which XLA's GPU compile fuses into one
-    in-place update: the slice read, added and written back. As a dynamic slice and a dynamic
-    update of the same buffer it copied the slice out first, in a fusion of its own (calibration
-    row R13: 1.2 s of its step). The accumulators start from the weights times zero
-    (`_accumulators`), or the partitioner loses their tensor split at the scatter."""
+    """`d[i] += g` (`i` an index, or a tuple of them) as a scatter-add of the one index, which
+    XLA's GPU compile fuses into one in-place update: the slice read, added and written back. As
+    a dynamic slice and a dynamic update of the same buffer it copied the slice out first, in a
+    fusion of its own (calibration row R13: 1.2 s of its step). The accumulators start from the
+    weights times zero (`_accumulators`), or the partitioner loses their tensor split at the
+    scatter."""
     return d.at[i].add(g.astype(d.dtype), indices_are_sorted=True, unique_indices=True)
 
 
